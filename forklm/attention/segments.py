@@ -1,0 +1,63 @@
+"""Attention over KV segments, with exact log-sum-exp merging.
+
+A sequence's KV is a list of segments: shared ones (the prompt, read once for every sample that
+shares it) and its own (decoded tokens). Each segment yields a partial output and its
+log-sum-exp; `merge_partials` combines them exactly (DESIGN.md, "Attention over segments"):
+
+    lse = log Σ_s exp(lse_s),   o = Σ_s exp(lse_s − lse) · o_s
+
+Shapes use B (batch of independent problems), G (KV heads), M (query rows per KV head),
+S (keys in the segment), D (head dim).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_segment(
+    q: torch.Tensor,  # [B, G, M, D]
+    k: torch.Tensor,  # [B, G, S, D]  (B may be a stride-0 expansion)
+    v: torch.Tensor,  # [B, G, S, D]
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of every query row over the whole segment.
+
+    Returns (o [B, G, M, D] in q's dtype, lse [B, G, M] float32, natural log).
+    On CPU this is PyTorch's fused flash kernel, which never materializes the scores and
+    returns the log-sum-exp; elsewhere a plain matmul/softmax fallback.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        o, lse = _CPU_FLASH(q, k, v, scale=scale)
+        return o, lse.float()
+    return attend_segment_matmul(q, k, v, scale)
+
+
+def attend_segment_matmul(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fallback with materialized scores (float32 softmax): [B,G,M,D] x [B,G,S,D] -> (o, lse)."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, G, M, S]
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    o = torch.matmul(p.to(v.dtype), v)
+    return o, lse
+
+
+def merge_partials(
+    o_a: torch.Tensor,  # [..., M, D]
+    lse_a: torch.Tensor,  # [..., M] float32
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two partial attentions over disjoint key sets."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    o = o_a.float() * w_a + o_b.float() * w_b
+    return o.to(o_a.dtype), lse

