@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,12 @@ class Stats:
     decode_s: float = 0.0
     steps: int = 0  # decode forward passes
     path_steps: dict[str, int] = field(default_factory=dict)  # steps taken by each attention path
+    step_s: list[float] = field(default_factory=list, repr=False)  # wall time of each decode step
+
+    @property
+    def median_step_s(self) -> float:
+        """Median decode step (sample + stop checks + one forward over the live samples)."""
+        return statistics.median(self.step_s) if self.step_s else 0.0
 
     @property
     def tokens_per_s(self) -> float:

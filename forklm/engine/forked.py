@@ -67,6 +67,7 @@ def generate_forked(
     states = [_SampleState(i) for i in range(n)]
     live = list(states)  # row r of the batch is live[r]
     logits = logits.expand(n, -1)
+    t_step = time.perf_counter()
     for step in range(params.max_tokens):
         b = len(live)
         masked = logits
@@ -100,6 +101,10 @@ def generate_forked(
         logits = model.forward(tokens, positions, DecodeAttention(cache, path))
         cache.own_len += 1
         stats.steps += 1
+        _sync(device)
+        now = time.perf_counter()
+        stats.step_s.append(now - t_step)
+        t_step = now
     _sync(device)
     stats.decode_s = time.perf_counter() - t1
 

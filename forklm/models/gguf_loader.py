@@ -1,0 +1,224 @@
+"""Loading a GGUF file (llama.cpp's format): config, dequantized float32 weights under HF names, tokenizer."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from forklm.config import ModelConfig, RopeConfig
+from forklm.errors import ModelFileError, UnsupportedModelError
+from forklm.tokenizer import Tokenizer, gguf_metadata
+
+_ARCHITECTURES = ("llama", "qwen2")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# general.file_type values that say what the whole checkpoint is stored in (llama.cpp's LLAMA_FTYPE).
+_FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Reads a GGUF file into (config, float32 weights under Hugging Face names, tokenizer)."""
+    import gguf  # imported here: only GGUF loading needs it
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    try:
+        reader = gguf.GGUFReader(path)
+        meta = gguf_metadata(reader)
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad or truncated files
+        raise ModelFileError(f"{path}: not a valid GGUF file or truncated ({type(e).__name__}: {e})") from None
+
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})")
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(meta)
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+    infos = {t.name: t for t in reader.tensors}
+    config = _config_of(meta, arch, infos, tokenizer, path)
+
+    weights: dict[str, torch.Tensor] = {}
+    for name, info in infos.items():
+        if name == "rope_freqs.weight":  # folded into config.rope by _config_of
+            continue
+        hf_name = _hf_name(name, config.num_layers)
+        if hf_name is None:
+            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+        w = _dequantize(info, path)
+        if arch == "llama" and re.search(r"\.attn_[qk]\.", name):
+            # llama.cpp's convert script permutes q/k rows so that each head's rotary pairs are adjacent
+            # (GGML's rope); HF's rotate_half wants the two halves of a head apart. Undo it. Qwen2 is
+            # converted without permuting (llama.cpp runs it with NEOX rope, i.e. the HF layout).
+            w = _unpermute(w, config.num_heads if ".attn_q." in name else config.num_kv_heads)
+        weights[hf_name] = w
+    del reader, infos
+    _check_shapes(config, weights, path)
+    return config, weights, tokenizer
+
+
+def _hf_name(name: str, num_layers: int) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and int(m[1]) < num_layers and m[2] in _LAYER_NAMES:
+        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
+    return None
+
+
+def _dequantize(info: Any, path: Path) -> torch.Tensor:
+    import gguf
+
+    kind = info.tensor_type
+    shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims fastest-first (ne order)
+    try:
+        if kind == gguf.GGMLQuantizationType.F32:
+            arr = np.array(info.data, dtype=np.float32)  # copy out of the memory-mapped file
+        elif kind == gguf.GGMLQuantizationType.F64:
+            arr = info.data.astype(np.float32)
+        else:
+            arr = gguf.quants.dequantize(info.data, kind)
+        return torch.from_numpy(np.ascontiguousarray(arr.reshape(shape), dtype=np.float32))
+    except NotImplementedError:
+        raise UnsupportedModelError(f"{path}: tensor {info.name!r} has unsupported type {kind.name}") from None
+    except ValueError as e:
+        raise ModelFileError(f"{path}: tensor {info.name!r} cannot be read ({e})") from None
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute(): rows (head, 2, d/2) were stored as (head, d/2, 2)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _config_of(meta: dict[str, Any], arch: str, infos: dict[str, Any], tokenizer: Tokenizer, path: Path) -> ModelConfig:
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if required and value is None:
+            raise ModelFileError(f"{path}: missing metadata key {arch}.{key!r}")
+        return value
+
+    hidden = int(get("embedding_length", required=True))
+    num_heads = int(get("attention.head_count", required=True))
+    num_kv = get("attention.head_count_kv") or num_heads
+    if isinstance(num_kv, list):  # per-layer counts (hybrid models)
+        raise UnsupportedModelError(f"{path}: per-layer KV head counts are not supported")
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads)
+    rope_dim = get("rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise UnsupportedModelError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
+    num_layers = int(get("block_count", required=True))
+    embd = infos.get("token_embd.weight")
+    vocab = int(get("vocab_size") or (embd.shape[-1] if embd is not None else len(meta["tokenizer.ggml.tokens"])))
+    theta = float(get("rope.freq_base", 10000.0))
+    ctx = int(get("context_length", 2048))
+
+    if "rope_freqs.weight" in infos:
+        rope = _llama3_rope(_dequantize(infos["rope_freqs.weight"], path), theta, head_dim,
+                            get("rope.scaling.original_context_length"), path)
+    else:
+        kind = get("rope.scaling.type", "none")
+        factor = float(get("rope.scaling.factor") or get("rope.scale_linear") or 1.0)
+        if kind == "linear" or (kind == "none" and factor != 1.0):
+            rope = RopeConfig(theta=theta, rope_type="linear", factor=factor)
+        elif kind == "none":
+            rope = RopeConfig(theta=theta)
+        else:
+            raise UnsupportedModelError(f"{path}: unsupported rope scaling type {kind!r} (supported: none, linear)")
+
+    try:
+        return ModelConfig(
+            architecture=arch, vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length", required=True)), num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=int(num_kv), head_dim=head_dim, max_position_embeddings=ctx,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), rope=rope,
+            tie_word_embeddings="output.weight" not in infos,  # llama.cpp omits output.weight when tied
+            attention_bias="blk.0.attn_q.bias" in infos, mlp_bias=False,
+            dtype=_FILE_DTYPES.get(meta.get("general.file_type")),
+            bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+        )
+    except ModelFileError as e:  # e.g. head counts that do not divide
+        raise ModelFileError(f"{path}: {e}") from None
+
+
+def _llama3_rope(factors: torch.Tensor, theta: float, head_dim: int, original: Any, path: Path) -> RopeConfig:
+    """Recovers Llama-3 rope scaling from llama.cpp's `rope_freqs.weight` (one divisor per frequency).
+
+    llama.cpp writes the scaling as this tensor, not as metadata (transformers' GGUF loader drops it,
+    so it runs Llama-3.1 GGUFs without scaling). Per frequency with wavelength w the divisor is 1 for
+    w < orig/high, `factor` for w > orig/low, and 1/((1-s)/factor + s) between, with
+    s = (orig/w - low)/(high - low). Only orig/low and orig/high are fixed by the tensor; we take orig
+    from metadata (default 8192, as Llama 3.1) and solve for low and high."""
+    f = factors.double()
+    n = f.numel()
+    if n != head_dim // 2:
+        raise ModelFileError(f"{path}: rope_freqs.weight has {n} entries, expected {head_dim // 2}")
+    factor = float(f.max())
+    orig = int(original or 8192)
+    inv_wavelen = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim) / (2 * math.pi)
+    mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    if factor <= 1.0 + 1e-6:
+        return RopeConfig(theta=theta)
+    if int(mid.sum()) >= 2:  # s is linear in 1/w: s = orig/(high-low) * (1/w) - low/(high-low)
+        s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        x = inv_wavelen[mid]
+        slope = float(((x - x.mean()) * (s - s.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        width = orig / slope
+        low = round(-(float(s.mean()) - slope * float(x.mean())) * width, 4)
+        high = round(low + width, 4)
+    else:
+        low, high = 1.0, 4.0
+    rope = RopeConfig(theta=theta, rope_type="llama3", factor=round(factor, 4), low_freq_factor=low,
+                      high_freq_factor=high, original_max_position_embeddings=orig)
+    # Check the recovered parameters reproduce the tensor.
+    s = ((orig * inv_wavelen - low) / (high - low)).clamp(0, 1)
+    expect = 1 / ((1 - s) / rope.factor + s)
+    if not torch.allclose(expect, f, rtol=1e-3):
+        raise UnsupportedModelError(f"{path}: rope_freqs.weight does not follow Llama-3 rope scaling")
+    return rope
+
+
+def _check_shapes(c: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+    q, kv, h, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    want = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        want["lm_head.weight"] = (c.vocab_size, h)
+    for n in range(c.num_layers):
+        p = f"model.layers.{n}."
+        want.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                     p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                     p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                     p + "post_attention_layernorm.weight": (h,)})
+        if c.attention_bias:
+            want.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                         p + "self_attn.v_proj.bias": (kv,)})
+    for name, shape in want.items():
+        if name not in weights:
+            raise ModelFileError(f"{path}: missing tensor for {name}")
+        if tuple(weights[name].shape) != shape:
+            raise ModelFileError(f"{path}: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+    extra = sorted(set(weights) - set(want))
+    if extra:
+        raise UnsupportedModelError(f"{path}: unexpected tensor {extra[0]} (e.g. biases this model type lacks)")
