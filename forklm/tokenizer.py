@@ -68,6 +68,12 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
+    """Text <-> token ids and chat templates for one model.
+
+    `eos_token_ids`: the file's eos id first, then the end-of-turn/end-of-text tokens in _END_TOKENS that
+    the vocabulary marks special. `special_token_ids`: every added token marked special, plus BOS/EOS.
+    """
+
     def __init__(self, backend: _Backend, *, bos_token: str | None = None, eos_token: str | None = None,
                  add_bos: bool = False, add_eos: bool = False, chat_template: str | None = None,
                  extra_template_tokens: dict[str, str] | None = None) -> None:
@@ -104,6 +110,8 @@ class Tokenizer:
                 cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ModelFileError(f"{cfg_file}: not valid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise ModelFileError(f"{cfg_file}: expected a JSON object")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -130,19 +138,23 @@ class Tokenizer:
         if not tokens:
             raise ModelFileError("GGUF metadata has no tokenizer.ggml.tokens")
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(types) != len(tokens):
+            raise ModelFileError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
         merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
-        if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre", "default"))
-        elif kind == "llama":
-            scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            backend = _sentencepiece_bpe(tokens, scores, merges, meta.get("tokenizer.ggml.add_space_prefix", True))
-        else:
-            raise UnsupportedModelError(
-                f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
 
         def token(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}_token_id")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre", "default"))
+        elif kind == "llama":
+            scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            backend = _sentencepiece_bpe(tokens, scores, merges, meta.get("tokenizer.ggml.add_space_prefix", True),
+                                         token("unknown") or ("<unk>" if "<unk>" in tokens else None))
+        else:
+            raise UnsupportedModelError(
+                f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
 
         named = {token(k) for k in ("bos", "eos", "unknown", "padding")} - {None}
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for i, t in enumerate(tokens)
@@ -256,7 +268,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple], pr
 
 
 def _sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[tuple],
-                       add_space_prefix: bool) -> _Backend:
+                       add_space_prefix: bool, unk: str | None) -> _Backend:
     """llama.cpp's SPM tokenizer: repeatedly merge the adjacent pair whose merged piece scores highest,
     falling back to <0xXX> byte tokens. That is BPE with merges ranked by the merged piece's score."""
     vocab: dict[str, int] = {}
@@ -266,13 +278,13 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[tupl
         cands = [(-scores[i], -k, k - len(t), i, vocab[t[:k]], vocab[t[k:]], t[:k], t[k:])
                  for t, i in vocab.items() for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
         merges = [c[-2:] for c in sorted(cands)]
-    unk = "<unk>" if "<unk>" in vocab else None
     backend = _bpe(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     # Like llama.cpp (and the original Llama-2 tokenizer.json): spaces become \u2581 and one more is put
     # before the text and after every special token, even if the text starts with a space. (transformers'
     # GGUF conversion uses Metaspace "first": only at the very start, and not before a leading space.)
     space = [normalizers.Replace(" ", "\u2581")]
-    backend.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if add_space_prefix else []) + space)
+    prepend = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence(prepend + space)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     return backend

@@ -193,6 +193,10 @@ def test_tiny_qwen2_untied_with_biases(tmp_path):
     for name, arr in expect.items():  # Qwen2: stored as is, no q/k permutation
         assert torch.equal(weights[hf_name(name)], torch.from_numpy(np.asarray(arr, dtype=np.float32))), name
     assert tok.decode(tok.encode("héllo<|im_end|>"), skip_special_tokens=False) == "héllo<|im_end|>"
+    from forklm.tokenizer import Tokenizer
+
+    direct = Tokenizer.from_gguf_fields(gguf.GGUFReader(path))  # a reader works as well as a dict
+    assert direct.encode("héllo<|im_end|>") == tok.encode("héllo<|im_end|>")
 
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
@@ -243,6 +247,21 @@ def test_tiny_llama_permuted_tied_llama3_rope(tmp_path):
         got_k = weights[f"model.layers.{i}.self_attn.k_proj.weight"].numpy()
         np.testing.assert_array_equal(permute(got_q, 4), q)  # the file holds permute(hf)
         np.testing.assert_array_equal(permute(got_k, 2), k)
+
+
+def test_llama3_rope_defaults(tmp_path):
+    """With fewer than two smoothed frequencies low/high cannot be solved for: Llama 3.1's 1 and 4 are
+    assumed and checked against the tensor; a tensor that is not Llama-3 scaling is refused."""
+    path = tmp_path / "l3.gguf"
+    factors = _llama3_factors(1e6, 16, 32.0, 1.0, 4.0, 8192)
+    write_tiny(path, "llama", bias=False, extra_tensors={"rope_freqs.weight": (factors, Q.F32)})
+    rope = load_gguf(path)[0].rope
+    assert (rope.rope_type, rope.factor, rope.low_freq_factor, rope.high_freq_factor) == ("llama3", 32.0, 1.0, 4.0)
+    assert rope.original_max_position_embeddings == 8192
+
+    write_tiny(path, "llama", bias=False, extra_tensors={"rope_freqs.weight": (np.linspace(1, 3, 8), Q.F32)})
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        load_gguf(path)
 
 
 def test_rope_scaling_metadata(tmp_path):

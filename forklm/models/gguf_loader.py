@@ -52,21 +52,26 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
 
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
-        raise UnsupportedModelError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(_ARCHITECTURES)})")
+        supported = ", ".join(_ARCHITECTURES)
+        raise UnsupportedModelError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
     try:
         tokenizer = Tokenizer.from_gguf_fields(meta)
-    except ModelFileError as e:
-        raise ModelFileError(f"{path}: {e}") from None
+    except (ModelFileError, UnsupportedModelError) as e:
+        raise type(e)(f"{path}: {e}") from None
     infos = {t.name: t for t in reader.tensors}
     config = _config_of(meta, arch, infos, tokenizer, path)
 
+    expected = _expected_shapes(config)
     weights: dict[str, torch.Tensor] = {}
     for name, info in infos.items():
         if name == "rope_freqs.weight":  # folded into config.rope by _config_of
             continue
-        hf_name = _hf_name(name, config.num_layers)
-        if hf_name is None:
-            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+        hf_name = _hf_name(name)
+        if hf_name not in expected:
+            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for this {arch} model")
+        shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims fastest-first (ne order)
+        if shape != expected[hf_name]:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {shape}, expected {expected[hf_name]}")
         w = _dequantize(info, path)
         if arch == "llama" and re.search(r"\.attn_[qk]\.", name):
             # llama.cpp's convert script permutes q/k rows so that each head's rotary pairs are adjacent
@@ -75,16 +80,19 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
             w = _unpermute(w, config.num_heads if ".attn_q." in name else config.num_kv_heads)
         weights[hf_name] = w
     del reader, infos
-    _check_shapes(config, weights, path)
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFileError(f"{path}: missing tensor for {missing[0]}{more}")
     return config, weights, tokenizer
 
 
-def _hf_name(name: str, num_layers: int) -> str | None:
+def _hf_name(name: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.fullmatch(name)
-    if m and int(m[1]) < num_layers and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
+    if m and m[2] in _LAYER_NAMES:
+        return f"model.layers.{int(m[1])}.{_LAYER_NAMES[m[2]]}"
     return None
 
 
@@ -92,7 +100,7 @@ def _dequantize(info: Any, path: Path) -> torch.Tensor:
     import gguf
 
     kind = info.tensor_type
-    shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims fastest-first (ne order)
+    shape = tuple(int(d) for d in reversed(info.shape))
     try:
         if kind == gguf.GGMLQuantizationType.F32:
             arr = np.array(info.data, dtype=np.float32)  # copy out of the memory-mapped file
@@ -112,7 +120,8 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _config_of(meta: dict[str, Any], arch: str, infos: dict[str, Any], tokenizer: Tokenizer, path: Path) -> ModelConfig:
+def _config_of(meta: dict[str, Any], arch: str, infos: dict[str, Any], tokenizer: Tokenizer,
+               path: Path) -> ModelConfig:
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         value = meta.get(f"{arch}.{key}", default)
         if required and value is None:
@@ -127,7 +136,8 @@ def _config_of(meta: dict[str, Any], arch: str, infos: dict[str, Any], tokenizer
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads)
     rope_dim = get("rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise UnsupportedModelError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
+        raise UnsupportedModelError(
+            f"{path}: partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
     num_layers = int(get("block_count", required=True))
     embd = infos.get("token_embd.weight")
     vocab = int(get("vocab_size") or (embd.shape[-1] if embd is not None else len(meta["tokenizer.ggml.tokens"])))
@@ -175,11 +185,11 @@ def _llama3_rope(factors: torch.Tensor, theta: float, head_dim: int, original: A
     if n != head_dim // 2:
         raise ModelFileError(f"{path}: rope_freqs.weight has {n} entries, expected {head_dim // 2}")
     factor = float(f.max())
+    if factor <= 1.0 + 1e-6:  # all ones: no scaling
+        return RopeConfig(theta=theta)
     orig = int(original or 8192)
     inv_wavelen = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim) / (2 * math.pi)
     mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
-    if factor <= 1.0 + 1e-6:
-        return RopeConfig(theta=theta)
     if int(mid.sum()) >= 2:  # s is linear in 1/w: s = orig/(high-low) * (1/w) - low/(high-low)
         s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
         x = inv_wavelen[mid]
@@ -199,7 +209,8 @@ def _llama3_rope(factors: torch.Tensor, theta: float, head_dim: int, original: A
     return rope
 
 
-def _check_shapes(c: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the config implies, with its HF shape ([out_features, in_features])."""
     q, kv, h, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
     want = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
@@ -214,11 +225,4 @@ def _check_shapes(c: ModelConfig, weights: dict[str, torch.Tensor], path: Path) 
         if c.attention_bias:
             want.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                          p + "self_attn.v_proj.bias": (kv,)})
-    for name, shape in want.items():
-        if name not in weights:
-            raise ModelFileError(f"{path}: missing tensor for {name}")
-        if tuple(weights[name].shape) != shape:
-            raise ModelFileError(f"{path}: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
-    extra = sorted(set(weights) - set(want))
-    if extra:
-        raise UnsupportedModelError(f"{path}: unexpected tensor {extra[0]} (e.g. biases this model type lacks)")
+    return want
