@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--paths", default="standard,bifurcated,auto", help="forklm attention paths to time")
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face transformers baseline")
     b.add_argument("--transformers-max-n", type=int, default=64, help="largest n run through transformers")
+    b.add_argument("--transformers-max-tokens", type=int, default=2048 * 64,
+                   help="skip transformers where n * m_c exceeds this (it prefills and stores n prompt copies) "
+                        "(default: 131072)")
     b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
     b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     return parser

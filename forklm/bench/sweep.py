@@ -1,0 +1,561 @@
+"""`forklm bench`: context length x n, forklm's attention paths against Hugging Face transformers.
+
+For every context length m_c (outer loop) and sample count n (inner loop) each implementation
+draws n samples of exactly `new_tokens` tokens from the same m_c-token prompt, same model, same
+dtype, same sampling (temperature 0.8, top-p 0.95). Per point it records (units in the names):
+prefill_s, decode_s, e2e_s, step_ms_median, tokens_per_s, peak_mem_mib, and the per-step floor of
+DESIGN.md (floor_ms, floor_naive_ms; see `forklm/bench/floor.py`) with floor_fraction =
+floor / measured step. Writes JSON and a PNG (Figure 6 of the bifurcated-attention paper) and
+prints a markdown table.
+
+transformers is timed per step too (see TransformersRunner): one `generate` call per point, whose
+prefill runs over n copies of the prompt and whose KV cache holds n copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from forklm.bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes, step_weight_bytes
+from forklm.bench.memory import PeakMemory
+
+TEMPERATURE = 0.8
+TOP_P = 0.95
+SEED = 0
+FORKLM_PATHS = ("standard", "bifurcated", "auto")
+HF_IMPL = "transformers"
+
+# The synthetic prompt: this snippet's token ids, repeated and cut to m_c tokens.
+SNIPPET = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
+    """Merge two sorted lists into one sorted list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+
+
+class LRUCache:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.data: dict[str, int] = {}
+
+    def get(self, key: str) -> int | None:
+        if key not in self.data:
+            return None
+        value = self.data.pop(key)
+        self.data[key] = value
+        return value
+'''
+
+ProgressFn = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------- inputs
+def parse_int_list(text: str, name: str) -> list[int]:
+    """"256,1024" -> [256, 1024]; every value must be a positive integer."""
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"--{name} must list positive integers, got {text!r}")
+    return values
+
+
+def parse_paths(text: str) -> list[str]:
+    """forklm attention paths to time, in the order given."""
+    paths = [p.strip() for p in str(text).split(",") if p.strip()]
+    bad = [p for p in paths if p not in FORKLM_PATHS]
+    if bad:
+        raise ValueError(f"--paths: unknown path(s) {bad}; choose from {', '.join(FORKLM_PATHS)}")
+    return list(dict.fromkeys(paths))
+
+
+def synthetic_prompt(tokenizer: Any, vocab_size: int, m_c: int) -> list[int]:
+    """Exactly m_c deterministic token ids: BOS (if the tokenizer adds one) + the snippet, repeated.
+
+    A tokenizer that cannot spell the snippet (a toy vocabulary) gets fixed pseudo-random ids.
+    """
+    ids = [i for i in tokenizer.encode(SNIPPET, add_special_tokens=False) if 0 <= i < vocab_size]
+    if len(set(ids)) < 8:
+        ids = [(17 + 7919 * i) % vocab_size for i in range(257)]
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos", False) else None
+    head = [bos] if bos is not None else []
+    reps = (m_c // len(ids)) + 1
+    return (head + ids * reps)[:m_c]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The invocation rebuilt from the parsed options (defaults included)."""
+    parts = ["forklm", "bench"]
+    for key, value in vars(args).items():
+        if key == "command" or value is None or value is False:
+            continue
+        parts.append("--" + key.replace("_", "-"))
+        if value is not True:
+            parts.append(str(value))
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------------- timing one point
+@dataclass
+class Measured:
+    """What one implementation measured at one (m_c, n); times in seconds."""
+
+    prefill_s: float
+    decode_s: float
+    e2e_s: float
+    step_s: float  # median decode step (one forward + one sampling)
+    tokens_per_s: float  # generated tokens / decode_s
+    peak_mem_mib: float
+    extra: dict
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and "memory" in str(e).lower()
+    )
+
+
+class ForkLMRunner:
+    """Times `LLM.sample` on one attention path."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def warm_up(self, prompt: list[int], paths: list[str]) -> None:
+        """One short call per path, so first-call costs stay out of the timings."""
+        for path in paths:
+            self.llm.sample(prompt[:16], n=2, max_tokens=2, temperature=TEMPERATURE, top_p=TOP_P, seed=SEED,
+                            ignore_eos=True, attention=path)
+
+    def run(self, path: str, prompt: list[int], n: int, new_tokens: int) -> Measured:
+        with PeakMemory(self.llm.device) as mem:
+            out = self.llm.sample(prompt, n=n, max_tokens=new_tokens, temperature=TEMPERATURE, top_p=TOP_P,
+                                  seed=SEED, ignore_eos=True, attention=path)
+        st = out.stats
+        if st.generated_tokens != n * new_tokens:
+            raise RuntimeError(f"forklm generated {st.generated_tokens} tokens, expected {n * new_tokens}")
+        return Measured(
+            prefill_s=st.prefill_s,
+            decode_s=st.decode_s,
+            e2e_s=st.prefill_s + st.decode_s,
+            step_s=st.median_step_s,
+            tokens_per_s=st.tokens_per_s,
+            peak_mem_mib=mem.peak_mib,
+            extra={"steps": st.steps, "auto_paths": dict(st.path_steps)},
+        )
+
+
+def _step_clock(device: torch.device) -> Any:
+    """A transformers StoppingCriteria that never stops and records perf_counter() after every token."""
+    from transformers import StoppingCriteria
+
+    class StepClock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StepClock()
+
+
+class TransformersRunner:
+    """Times `generate(num_return_sequences=n, do_sample=True)` of the same checkpoint.
+
+    transformers has no per-step timer; a no-op stopping criterion, called once after each new
+    token is sampled and appended, timestamps the steps. With t0 = the call's start and c_1..c_T
+    those stamps: prefill_s = c_1 - t0 (the forward over n prompt copies + the first sampling),
+    a step = c_(i+1) - c_i (one forward + one sampling, as forklm's step), decode_s = c_T - c_1.
+    """
+
+    def __init__(self, model: Any, device: torch.device, eos_token_id: int | None) -> None:
+        self.model = model
+        self.device = device
+        self.eos_token_id = eos_token_id
+
+    @classmethod
+    def load(cls, source: Path, dtype: torch.dtype, device: torch.device) -> "TransformersRunner":
+        """The checkpoint forklm loaded (`llm.source`: a HF folder or a .gguf file) in `dtype`."""
+        from transformers import AutoModelForCausalLM
+
+        source = Path(source)
+        if source.is_file():  # GGUF: transformers dequantizes it to `dtype`
+            model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+        model = model.to(device).eval()
+        eos = model.generation_config.eos_token_id
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        return cls(model, device, eos)
+
+    def _generate(self, prompt: torch.Tensor, n: int, new_tokens: int, clock: Any = None) -> torch.Tensor:
+        from transformers import StoppingCriteriaList
+
+        torch.manual_seed(SEED)
+        with torch.inference_mode():
+            out = self.model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=True,
+                temperature=TEMPERATURE,
+                top_p=TOP_P,
+                top_k=0,  # off, as in forklm (transformers' default is 50)
+                num_return_sequences=n,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,  # EOS suppressed: exactly new_tokens per sample
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.eos_token_id if self.eos_token_id is not None else 0,
+                stopping_criteria=StoppingCriteriaList([clock] if clock is not None else []),
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return out
+
+    def warm_up(self, prompt: list[int]) -> None:
+        self._generate(torch.tensor([prompt[:16]], device=self.device), 2, 2)
+
+    def run(self, prompt: list[int], n: int, new_tokens: int) -> Measured:
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        clock = _step_clock(self.device)
+        with PeakMemory(self.device) as mem:
+            t0 = time.perf_counter()
+            out = self._generate(ids, n, new_tokens, clock)
+            e2e = time.perf_counter() - t0
+        if tuple(out.shape) != (n, len(prompt) + new_tokens) or len(clock.times) != new_tokens:
+            raise RuntimeError(f"transformers returned shape {tuple(out.shape)} after {len(clock.times)} steps, "
+                               f"expected {(n, len(prompt) + new_tokens)} after {new_tokens}")
+        stamps = clock.times
+        steps = [b - a for a, b in zip(stamps, stamps[1:])]
+        decode_s = stamps[-1] - stamps[0]
+        return Measured(
+            prefill_s=stamps[0] - t0,
+            decode_s=decode_s,
+            e2e_s=e2e,
+            step_s=statistics.median(steps),
+            tokens_per_s=n * new_tokens / decode_s,
+            peak_mem_mib=mem.peak_mib,
+            extra={"steps": len(steps)},
+        )
+
+
+# ---------------------------------------------------------------------- the sweep
+@dataclass
+class SweepConfig:
+    contexts: list[int]
+    ns: list[int]
+    new_tokens: int
+    paths: list[str]
+    transformers: bool
+    transformers_max_n: int
+    transformers_max_tokens: int
+
+
+def _point(m_c: int, n: int, impl: str, measured: Measured | None, floor: Any, skipped: str | None) -> dict:
+    """One JSON row; timings None when skipped."""
+    row: dict[str, Any] = {"m_c": m_c, "n": n, "impl": impl}
+    if measured is None:
+        row.update(prefill_s=None, decode_s=None, e2e_s=None, step_ms_median=None, tokens_per_s=None,
+                   peak_mem_mib=None, floor_ms=floor.floor_s * 1e3 if floor else None,
+                   floor_naive_ms=floor.floor_naive_s * 1e3 if floor else None, floor_fraction=None,
+                   auto_paths=None, skipped=skipped)
+        return row
+    row.update(
+        prefill_s=measured.prefill_s,
+        decode_s=measured.decode_s,
+        e2e_s=measured.e2e_s,
+        step_ms_median=measured.step_s * 1e3,
+        tokens_per_s=measured.tokens_per_s,
+        peak_mem_mib=measured.peak_mem_mib,
+        floor_ms=floor.floor_s * 1e3,
+        floor_naive_ms=floor.floor_naive_s * 1e3,
+        floor_fraction=floor.floor_s / measured.step_s if measured.step_s > 0 else None,
+        auto_paths=measured.extra.get("auto_paths"),
+    )
+    row.update({k: v for k, v in measured.extra.items() if k != "auto_paths"})
+    return row
+
+
+def _transformers_skip_reason(cfg: SweepConfig, m_c: int, n: int, hf: TransformersRunner | None,
+                              hf_error: str | None) -> str | None:
+    if hf is None:
+        return f"transformers unavailable: {hf_error}"
+    if n > cfg.transformers_max_n:
+        return f"n={n} > --transformers-max-n {cfg.transformers_max_n}"
+    if n * m_c > cfg.transformers_max_tokens:
+        return f"n*m_c={n * m_c} > --transformers-max-tokens {cfg.transformers_max_tokens}"
+    return None
+
+
+def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRunner | None,
+              hf_error: str | None, progress: Any) -> list[dict]:
+    """All points, m_c outer, n inner, implementations innermost. Failing points are recorded as skipped."""
+    forklm = ForkLMRunner(llm)
+    e = torch.finfo(llm.dtype).bits // 8
+    weight_bytes = step_weight_bytes(llm.model.num_weight_bytes(), llm.config, e)
+    impls = [f"forklm-{p}" for p in cfg.paths] + ([HF_IMPL] if cfg.transformers else [])
+    limit = llm.config.max_position_embeddings
+    points = []
+    for m_c in cfg.contexts:
+        prompt = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, m_c)
+        for n in cfg.ns:
+            floor = step_floor(llm.config, weight_bytes, e, n, m_c, cfg.new_tokens, ceilings)
+            for impl in impls:
+                progress.set_description(f"m_c={m_c} n={n} {impl}")
+                skipped = None
+                if m_c + cfg.new_tokens > limit:
+                    skipped = f"m_c + new_tokens = {m_c + cfg.new_tokens} > the model's context length {limit}"
+                elif impl == HF_IMPL:
+                    skipped = _transformers_skip_reason(cfg, m_c, n, hf, hf_error)
+                measured = None
+                if skipped is None:
+                    try:
+                        if impl == HF_IMPL:
+                            measured = hf.run(prompt, n, cfg.new_tokens)
+                        else:
+                            measured = forklm.run(impl.removeprefix("forklm-"), prompt, n, cfg.new_tokens)
+                    except (MemoryError, ValueError, RuntimeError) as err:
+                        if isinstance(err, RuntimeError) and not _is_oom(err):
+                            raise
+                        skipped = f"{type(err).__name__}: {err}"
+                    finally:
+                        gc.collect()
+                        if llm.device.type == "cuda":
+                            torch.cuda.empty_cache()
+                points.append(_point(m_c, n, impl, measured, floor, skipped))
+                if measured is not None:
+                    progress.set_postfix_str(f"{measured.step_s * 1e3:.2f} ms/step")
+                progress.update(1)
+    return points
+
+
+# ---------------------------------------------------------------------- output
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: Ceilings,
+               hf_version: str | None, hf_error: str | None) -> dict:
+    dev = llm.device
+    return {
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": hf_version,
+        "transformers_error": hf_error,
+        "dtype": dtype_name(llm.dtype),
+        "device": dev.type,
+        "model": str(llm.source),
+        "model_parameters": llm.config.num_parameters(),
+        "weight_bytes": llm.model.num_weight_bytes(),
+        "new_tokens": cfg.new_tokens,
+        "contexts": cfg.contexts,
+        "ns": cfg.ns,
+        "sampling": {"temperature": TEMPERATURE, "top_p": TOP_P, "top_k": 0, "seed": SEED},
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command_line(args),
+        "ceilings": ceilings.as_json(),
+        "transformers_timing": "one generate call per point; a no-op StoppingCriteria timestamps each token: "
+                               "prefill_s = to the first token, step = median gap between tokens",
+        "floor_model": "max(bytes / bandwidth, FLOPs / matmul peak); bytes = weights + bifurcated KV read, "
+                       "m_d = new_tokens / 2 (floor_naive_ms: naive KV read)",
+    }
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return ""
+    if row.get("skipped"):
+        return "skipped"
+    return f"{row['step_ms_median']:.2f} / {row['tokens_per_s']:.0f}"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}x" if num and den else ""
+
+
+def markdown_table(doc: dict) -> str:
+    """Rows (m_c, n); per implementation 'step ms / tok/s'; floor; two speed-ups (>1: the second is faster)."""
+    points = doc["points"]
+    impls = list(dict.fromkeys(p["impl"] for p in points))
+    by_key = {(p["m_c"], p["n"], p["impl"]): p for p in points}
+    keys = list(dict.fromkeys((p["m_c"], p["n"]) for p in points))
+    head = ["m_c", "n"] + [f"{i} ms / tok/s" for i in impls] + ["floor ms", "standard/bifurcated step",
+                                                                 "transformers/auto e2e"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m_c, n in keys:
+        rows = {i: by_key.get((m_c, n, i)) for i in impls}
+        floor = next((r["floor_ms"] for r in rows.values() if r and r.get("floor_ms")), None)
+
+        def get(impl: str, key: str) -> float | None:
+            r = rows.get(impl)
+            return r.get(key) if r and not r.get("skipped") else None
+
+        cells = [str(m_c), str(n)] + [_cell(rows[i]) for i in impls] + [
+            f"{floor:.2f}" if floor else "",
+            _ratio(get("forklm-standard", "step_ms_median"), get("forklm-bifurcated", "step_ms_median")),
+            _ratio(get(HF_IMPL, "e2e_s"), get("forklm-auto", "e2e_s")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+class _PlainProgress:
+    """Stand-in for tqdm when it is not installed: one line per point on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.desc = total, 0, ""
+
+    def set_description(self, desc: str) -> None:
+        self.desc = desc
+
+    def set_postfix_str(self, text: str) -> None:
+        print(f"[{self.done + 1}/{self.total}] {self.desc}: {text}", file=sys.stderr, flush=True)
+
+    def update(self, k: int) -> None:
+        self.done += k
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _PlainProgress(total)
+    return tqdm(total=total, unit="pt", file=sys.stderr, dynamic_ncols=True)
+
+
+def _note(msg: str) -> None:
+    print(f"forklm bench: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- entry point
+def sweep_config(args: argparse.Namespace) -> SweepConfig:
+    cfg = SweepConfig(
+        contexts=parse_int_list(args.contexts, "contexts"),
+        ns=parse_int_list(args.ns, "ns"),
+        new_tokens=int(args.new_tokens),
+        paths=parse_paths(args.paths),
+        transformers=not args.no_transformers,
+        transformers_max_n=int(args.transformers_max_n),
+        transformers_max_tokens=int(getattr(args, "transformers_max_tokens", 2048 * 64)),
+    )
+    if cfg.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be at least 2 (a decode step needs a second token), got {cfg.new_tokens}")
+    if not cfg.paths and not cfg.transformers:
+        raise ValueError("nothing to time: --paths is empty and --no-transformers is set")
+    return cfg
+
+
+def _load_transformers(llm: Any) -> tuple[TransformersRunner | None, str | None, str | None]:
+    """(runner, transformers version, error) -- runner None when transformers cannot load the model."""
+    try:
+        import transformers
+    except ImportError as e:
+        return None, None, f"not installed ({e})"
+    try:
+        runner = TransformersRunner.load(llm.source, llm.dtype, llm.device)
+    except Exception as e:  # any loader failure becomes a recorded skip, not a crash
+        return None, transformers.__version__, f"cannot load {llm.source}: {type(e).__name__}: {e}"
+    return runner, transformers.__version__, None
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """`forklm bench`; returns the exit code (0, or 1 when every point was skipped)."""
+    from forklm import LLM
+
+    cfg = sweep_config(args)
+    _note(f"loading {args.model} (dtype {args.dtype}, device {args.device})")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    dtype = dtype_name(llm.dtype)
+    out = Path(args.out or f"bench/results/sweep_{llm.device.type}_{dtype}.json")
+    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+
+    hf, hf_version, hf_error = (None, None, None)
+    if cfg.transformers:
+        _note("loading the same checkpoint in transformers")
+        hf, hf_version, hf_error = _load_transformers(llm)
+        if hf_error:
+            _note(f"transformers baseline off: {hf_error}")
+    else:
+        try:
+            import transformers
+
+            hf_version = transformers.__version__
+        except ImportError:
+            pass
+
+    _note(f"measuring bandwidth and {dtype} matmul peak")
+    ceilings = measure_ceilings(llm.dtype, llm.device, step_matmul_shapes(llm.config, max(cfg.ns), llm.device))
+    _note(f"ceilings: {ceilings.bandwidth_bytes_per_s / 1e9:.1f} GB/s copy, "
+          f"{ceilings.matmul_flops_per_s / 1e9:.1f} GFLOP/s {dtype} matmul")
+
+    warm = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, 16)
+    ForkLMRunner(llm).warm_up(warm, cfg.paths)
+    if hf is not None:
+        hf.warm_up(warm)
+
+    impls = len(cfg.paths) + int(cfg.transformers)
+    progress = _progress(len(cfg.contexts) * len(cfg.ns) * impls)
+    try:
+        points = run_sweep(llm, cfg, ceilings, hf, hf_error, progress)
+    finally:
+        progress.close()
+
+    doc = {"meta": build_meta(args, llm, cfg, ceilings, hf_version, hf_error), "points": points}
+    write_json(doc, out)
+    _note(f"wrote {out}")
+    try:
+        from forklm.bench.plot import plot_sweeps
+
+        plot_sweeps([doc], png)
+        _note(f"wrote {png}")
+    except ImportError as e:
+        _note(f"no plot ({e}); pip install matplotlib")
+    print(f"\n{llm.config.num_parameters() / 1e6:.0f}M parameters, {dtype} on {llm.device.type}, "
+          f"{cfg.new_tokens} new tokens; cells: median step ms / generated tok/s\n")
+    print(markdown_table(doc))
+    if all(p.get("skipped") for p in points):
+        _note("every point was skipped")
+        return 1
+    return 0

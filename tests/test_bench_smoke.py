@@ -1,0 +1,81 @@
+"""`forklm bench` end to end on a tiny random-weight Hugging Face folder (transformers baseline on)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from forklm.cli import main  # noqa: E402
+
+VOCAB = 128
+
+
+def make_tiny_model(folder: Path) -> Path:
+    """config.json + random safetensors (transformers) + a WordLevel tokenizer.json over VOCAB words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
+
+
+def test_bench_smoke(tmp_path, capsys):
+    model = make_tiny_model(tmp_path / "tiny")
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    rc = main(["bench", "--model", str(model), "--dtype", "float32", "--contexts", "16,32", "--ns", "1,3",
+               "--new-tokens", "3", "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+
+    doc = json.loads(out.read_text())
+    meta, points = doc["meta"], doc["points"]
+    assert meta["dtype"] == "float32" and meta["new_tokens"] == 3
+    assert meta["ceilings"]["bandwidth_GBps"] > 0 and meta["ceilings"]["matmul_GFLOPs"] > 0
+    impls = ["forklm-standard", "forklm-bifurcated", "forklm-auto", "transformers"]
+    expected = [(m_c, n, impl) for m_c in (16, 32) for n in (1, 3) for impl in impls]
+    assert [(p["m_c"], p["n"], p["impl"]) for p in points] == expected
+    for p in points:
+        assert not p.get("skipped"), p
+        for key in ("prefill_s", "decode_s", "e2e_s", "step_ms_median", "tokens_per_s", "floor_ms", "floor_naive_ms"):
+            assert p[key] > 0, (key, p)
+        assert p["floor_naive_ms"] >= p["floor_ms"]
+        assert p["peak_mem_mib"] >= 0
+        assert p["floor_fraction"] > 0  # a tiny model is launch-bound, so the fraction is small
+        if p["impl"].startswith("forklm"):
+            assert sum(p["auto_paths"].values()) == 2  # new_tokens - 1 forward steps
+        if p["impl"] == "forklm-auto":
+            assert set(p["auto_paths"]) <= {"standard", "bifurcated"}
+    assert png.stat().st_size > 10_000
+    table = capsys.readouterr().out
+    assert "| m_c | n |" in table and "transformers/auto e2e" in table
+
+
+def test_bench_skips_transformers_over_budget(tmp_path):
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "s.json"
+    rc = main(["bench", "--model", str(model), "--dtype", "float32", "--contexts", "16", "--ns", "1,2",
+               "--new-tokens", "2", "--paths", "auto", "--transformers-max-tokens", "20", "--out", str(out),
+               "--plot", str(tmp_path / "s.png")])
+    assert rc == 0
+    points = json.loads(out.read_text())["points"]
+    hf = {p["n"]: p for p in points if p["impl"] == "transformers"}
+    assert not hf[1].get("skipped") and "transformers-max-tokens" in hf[2]["skipped"]
+    assert hf[2]["step_ms_median"] is None
+
+
+def test_bench_rejects_bad_options(tmp_path, capsys):
+    assert main(["bench", "--model", str(tmp_path), "--new-tokens", "1"]) == 2
+    assert "--new-tokens" in capsys.readouterr().err
+    assert main(["bench", "--model", str(tmp_path), "--paths", "fast"]) == 2
