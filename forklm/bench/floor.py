@@ -115,12 +115,10 @@ def measure_ceilings(
 def step_weight_bytes(num_weight_bytes: int, config: ModelConfig, element_bytes: int) -> int:
     """Weight bytes one decode step must read.
 
-    `num_weight_bytes` (LlamaModel.num_weight_bytes()) counts every stored tensor. An untied
-    embedding table is only looked up (b rows), so it is taken out; a tied one is the lm_head
-    and is read whole.
+    `num_weight_bytes` (LlamaModel.num_weight_bytes()) counts every stored tensor: the embedding
+    table (only looked up, b rows, so taken out here) and the lm_head, which LlamaModel always
+    stores as its own transposed matrix (a copy of the table when the two are tied) and reads whole.
     """
-    if config.tie_word_embeddings:
-        return num_weight_bytes
     return num_weight_bytes - config.vocab_size * config.hidden_size * element_bytes
 
 
