@@ -7,12 +7,16 @@ from forklm.errors import (
     OutOfMemoryError,
     UnsupportedModelError,
 )
-from forklm.llm import LLM
+from forklm.engine.engine import Engine, EngineConfig
+from forklm.llm import LLM, Request
 from forklm.outputs import Sample, SampleOutput, Stats
 from forklm.sampling.params import SamplingParams
 
 __all__ = [
     "LLM",
+    "Engine",
+    "EngineConfig",
+    "Request",
     "Sample",
     "SampleOutput",
     "SamplingParams",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
 from forklm.device import available_memory_bytes, resolve_device, resolve_dtype
+from forklm.engine.engine import Engine, EngineConfig
 from forklm.engine.forked import generate_forked
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
@@ -15,6 +18,51 @@ from forklm.outputs import SampleOutput
 from forklm.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict]
+
+
+@dataclass
+class Request:
+    """One request for `LLM.generate`: `LLM.sample`'s arguments, the prompt included."""
+
+    prompt: Prompt
+    n: int = 1
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_any(cls, spec: Any, position: int = 0) -> "Request":
+        if isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, dict):
+            raise InvalidArgumentError(f"requests[{position}] must be a dict or a forklm.Request, got {type(spec).__name__}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(spec) - set(allowed))
+        if unknown:
+            raise InvalidArgumentError(f"requests[{position}] has unknown keys {unknown}; allowed: {allowed}")
+        if "prompt" not in spec:
+            raise InvalidArgumentError(f"requests[{position}] has no 'prompt'")
+        return cls(**spec)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else (self.stop or ())),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class LLM:
@@ -83,22 +131,47 @@ class LLM:
         attention: str = "auto",
     ) -> SampleOutput:
         """Draws n samples of one prompt; the prompt is prefilled once and its KV read once per step."""
-        params = SamplingParams(
-            n=n,
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
-            stop_token_ids=tuple(stop_token_ids or ()),
-            ignore_eos=ignore_eos,
-            attention=attention,
-        )
+        req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos)
+        params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
         self.check_fits(len(prompt_ids), params)
         return generate_forked(self.model, self.tokenizer.decode, prompt_ids, params, self.eos_token_ids)
+
+    def generate(self, requests: Sequence[dict | Request], **engine_options: Any) -> list[SampleOutput]:
+        """Runs many requests together through the engine (paged KV, prefix cache, continuous
+        batching); returns one `SampleOutput` per request, in order. With seeds, each equals
+        `sample` run alone with the same arguments.
+
+        engine_options (see `EngineConfig`): none uses this LLM's engine, whose prefix cache
+        persists across calls; any (e.g. `prefix_cache=False`, `schedule="fcfs"`,
+        `shared_attention="standard"`, `num_blocks=...`) runs them on a fresh engine.
+        """
+        if isinstance(requests, (str, dict, Request)) or not isinstance(requests, Sequence):
+            raise InvalidArgumentError("requests must be a list of dicts or forklm.Request objects")
+        specs = [Request.from_any(r, i) for i, r in enumerate(requests)]
+        prepared = [(self.prompt_token_ids(r.prompt), r.params()) for r in specs]
+        engine = self.engine(**engine_options) if engine_options else self.default_engine()
+        states = []
+        try:
+            for ids, params in prepared:
+                states.append(engine.add_request(ids, params))
+            engine.run()
+        except BaseException:
+            for st in states:
+                engine.cancel(st.request_id)
+            engine.step()  # releases the cancelled requests' blocks
+            raise
+        return [st.output for st in states]
+
+    def engine(self, **options: Any) -> Engine:
+        """A new engine over this model (`EngineConfig` options)."""
+        return Engine(self.model, self.tokenizer.decode, self.eos_token_ids, EngineConfig(**options))
+
+    def default_engine(self) -> Engine:
+        """This LLM's shared engine (created on first use; its prefix cache persists)."""
+        if getattr(self, "_engine", None) is None:
+            self._engine = self.engine()
+        return self._engine
 
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         """Context length and memory checks, before anything is allocated."""

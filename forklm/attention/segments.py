@@ -24,8 +24,10 @@ def attend_segment(
     k: torch.Tensor,  # [B, G, S, D]  (B may be a stride-0 expansion)
     v: torch.Tensor,  # [B, G, S, D]
     scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,  # additive, broadcastable to [B, G, M, S]
+    causal: bool = False,  # query row i sees keys 0..i (M == S)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal attention of every query row over the whole segment.
+    """Attention of every query row over the segment (all of it unless masked or causal).
 
     Returns (o [B, G, M, D] in q's dtype, lse [B, G, M] float32, natural log).
     On CPU this is PyTorch's fused flash kernel, which never materializes the scores and
@@ -33,16 +35,26 @@ def attend_segment(
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.device.type == "cpu" and _CPU_FLASH is not None:
-        o, lse = _CPU_FLASH(q, k, v, scale=scale)
+        o, lse = _CPU_FLASH(q, k, v, is_causal=causal, attn_mask=attn_mask, scale=scale)
         return o, lse.float()
-    return attend_segment_matmul(q, k, v, scale)
+    return attend_segment_matmul(q, k, v, scale, attn_mask, causal)
 
 
 def attend_segment_matmul(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    attn_mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fallback with materialized scores (float32 softmax): [B,G,M,D] x [B,G,S,D] -> (o, lse)."""
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, G, M, S]
+    if attn_mask is not None:
+        s = s + attn_mask.float()
+    if causal:
+        M, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(M, S, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     o = torch.matmul(p.to(v.dtype), v)

@@ -315,7 +315,9 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
     """All points, m_c outer, n inner, implementations innermost. Failing points are recorded as skipped."""
     forklm = ForkLMRunner(llm)
     e = torch.finfo(llm.dtype).bits // 8
-    weight_bytes = step_weight_bytes(llm.model.num_weight_bytes(), llm.config, e)
+    weight_bytes = step_weight_bytes(
+        llm.model.num_weight_bytes(), llm.config, e, llm.model.lm_head is llm.model.embed
+    )
     impls = [f"forklm-{p}" for p in cfg.paths] + ([HF_IMPL] if cfg.transformers else [])
     limit = llm.config.max_position_embeddings
     points = []

@@ -1,0 +1,156 @@
+"""Attention for one engine step over the paged KV cache: decode rows and prefill chunks together.
+
+The batch's flattened rows are `[decode rows (one token each) | chunk 0 | chunk 1 | ...]`.
+It implements the model's interface `attend(layer, q [T, h, D], k [T, g, D], v [T, g, D])`.
+
+Decode rows: each shared segment (see `shared_prefix.py`) is attended once for all its rows,
+"bifurcated" (all `rows · p` query rows of a KV head in one product, the segment's K/V read
+once) or "expanded" (each row reads the segment itself, as a conventional engine does),
+chosen per segment by `attention/auto.py`'s measured rule. Each row's tail (its own blocks and
+partial block, the current token included) is gathered into one padded batch. All partial
+results are merged exactly by log-sum-exp.
+
+Prefill chunks: the chunk's queries attend to the tokens before the chunk (paged, read in place)
+and causally to the chunk itself, merged by log-sum-exp.
+
+K/V of a run of consecutive slots is a view of the cache; a segment split into more than
+`MAX_RUNS` runs (a fragmented pool) is gathered into one contiguous copy instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from forklm.attention.segments import attend_segment, merge_partials
+from forklm.cache.paged_kv import PagedKVCache
+
+MAX_RUNS = 4
+
+Runs = list[tuple[int, int]]  # [(first_slot, num_tokens), ...]
+
+
+@dataclass
+class SegmentRead:
+    rows: torch.Tensor  # [s] decode rows reading the segment
+    runs: Runs  # the segment's slots
+    bifurcated: bool  # one product for all rows (True) or one read per row (False)
+
+
+@dataclass
+class PrefillChunk:
+    row_start: int  # first batch row of the chunk
+    num_tokens: int
+    prefix_runs: Runs  # slots of the sequence's tokens before the chunk
+
+
+@dataclass
+class StepPlan:
+    write_slots: torch.Tensor  # [T] slot of every batch row's new K/V
+    num_decode: int = 0
+    segments: list[SegmentRead] = field(default_factory=list)
+    tail_slots: torch.Tensor | None = None  # [B, L] slots of each decode row's tail (padded)
+    tail_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive mask (0 / -inf); None if no padding
+    chunks: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention:
+    def __init__(self, kv: PagedKVCache, plan: StepPlan) -> None:
+        self.kv = kv
+        self.plan = plan
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        T, h, D = q.shape
+        g = k.shape[1]
+        scale = 1.0 / math.sqrt(D)
+        self.kv.write(layer, plan.write_slots, k, v)
+        parts = []
+        B = plan.num_decode
+        if B:
+            parts.append(self._decode(layer, q[:B], g, scale))
+        for ch in plan.chunks:
+            r0, r1 = ch.row_start, ch.row_start + ch.num_tokens
+            parts.append(self._prefill(layer, q[r0:r1], k[r0:r1], v[r0:r1], ch.prefix_runs, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    # ------------------------------------------------------------------ decode rows
+    def _decode(self, layer: int, q: torch.Tensor, g: int, scale: float) -> torch.Tensor:
+        plan = self.plan
+        B, h, D = q.shape
+        p = h // g
+        os, lses, rows = [], [], []
+        for seg in plan.segments:
+            qs = q.index_select(0, seg.rows)  # [s, h, D]
+            s = qs.shape[0]
+            for ks, vs in self._segment_kv(layer, seg.runs):  # [1, g, S, D] each
+                if seg.bifurcated:
+                    q_rows = qs.view(s, g, p, D).transpose(0, 1).reshape(1, g, s * p, D)
+                    o, lse = attend_segment(q_rows, ks, vs, scale)
+                    o = o.view(g, s, p, D).transpose(0, 1).reshape(s, h, D)
+                    lse = lse.view(g, s, p).transpose(0, 1).reshape(s, h)
+                else:
+                    S = ks.shape[2]
+                    o, lse = attend_segment(qs.view(s, g, p, D), ks.expand(s, g, S, D), vs.expand(s, g, S, D), scale)
+                    o, lse = o.reshape(s, h, D), lse.reshape(s, h)
+                os.append(o)
+                lses.append(lse)
+                rows.append(seg.rows)
+        # Tails: [B, L] slots gathered into [B, g, L, D] (one copy of the rows' own tokens).
+        L = plan.tail_slots.shape[1]
+        flat = plan.tail_slots.reshape(-1)
+        kt = self.kv.k[layer].index_select(1, flat).view(g, B, L, D).transpose(0, 1)
+        vt = self.kv.v[layer].index_select(1, flat).view(g, B, L, D).transpose(0, 1)
+        o_t, lse_t = attend_segment(q.view(B, g, p, D), kt, vt, scale, attn_mask=plan.tail_mask)
+        o_t, lse_t = o_t.reshape(B, h, D), lse_t.reshape(B, h)
+        if not os:
+            return o_t
+        os.append(o_t)
+        lses.append(lse_t)
+        rows.append(torch.arange(B, device=q.device))
+        return merge_rows(B, torch.cat(os), torch.cat(lses), torch.cat(rows)).to(q.dtype)
+
+    def _segment_kv(self, layer: int, runs: Runs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        K, V = self.kv.k[layer], self.kv.v[layer]  # [g, slots, D]
+        if len(runs) <= MAX_RUNS:
+            return [(K[:, s : s + n].unsqueeze(0), V[:, s : s + n].unsqueeze(0)) for s, n in runs]
+        idx = torch.cat([torch.arange(s, s + n, device=K.device) for s, n in runs])
+        return [(K.index_select(1, idx).unsqueeze(0), V.index_select(1, idx).unsqueeze(0))]
+
+    # ------------------------------------------------------------------ prefill chunks
+    def _prefill(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: Runs, scale: float
+    ) -> torch.Tensor:
+        T, h, D = q.shape
+        g = k.shape[1]
+        p = h // g
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, T, D]
+        kh = k.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
+        vh = v.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
+        o, lse = attend_segment(qh, kh, vh, scale, causal=True)  # [1, h, T, D], [1, h, T]
+        if prefix:
+            # All T·p query rows of a KV head against the earlier tokens, read in place.
+            q_rows = q.view(T, g, p, D).permute(1, 0, 2, 3).reshape(1, g, T * p, D)
+            for ks, vs in self._segment_kv(layer, prefix):
+                o_p, lse_p = attend_segment(q_rows, ks, vs, scale)
+                o_p = o_p.view(g, T, p, D).permute(0, 2, 1, 3).reshape(1, h, T, D)
+                lse_p = lse_p.view(g, T, p).permute(0, 2, 1).reshape(1, h, T)
+                o, lse = merge_partials(o, lse, o_p, lse_p)
+        return o[0].transpose(0, 1)  # [T, h, D]
+
+
+def merge_rows(num_rows: int, o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Exact log-sum-exp merge of partial results that belong to the same rows.
+
+    o [P, h, D], lse [P, h] float32, rows [P] (which output row each partial belongs to)
+    -> [num_rows, h, D] float32.
+    """
+    h = lse.shape[1]
+    idx = rows.unsqueeze(1).expand(-1, h)
+    m = torch.full((num_rows, h), float("-inf"), device=lse.device).scatter_reduce(0, idx, lse, "amax")
+    w = torch.exp(lse - m.gather(0, idx))  # [P, h]
+    denom = torch.zeros(num_rows, h, device=lse.device).index_add_(0, rows, w)
+    out = torch.zeros(num_rows, h, o.shape[2], device=o.device).index_add_(0, rows, o.float() * w.unsqueeze(-1))
+    return out / denom.unsqueeze(-1)

@@ -1,0 +1,75 @@
+"""The KV tensors behind a `BlockPool`: one K and one V tensor per layer, addressed by slot.
+
+Block `b` of the pool owns the token slots `[b * block_size, (b + 1) * block_size)`. Per layer
+K and V are `[g, num_blocks * block_size, D]`: a KV head's keys for a run of consecutive blocks
+are one contiguous view (no copy), which is what lets a shared prefix be read in place.
+Token `t` of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from forklm.config import ModelConfig
+
+
+def kv_bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    e = torch.empty((), dtype=dtype).element_size()
+    return config.kv_bytes_per_token(e) * block_size
+
+
+def slots_of(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Slots of tokens [start, end) of a sequence with this block table."""
+    return [block_table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+
+
+def slot_runs(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+    """Tokens [start, end) as maximal runs of consecutive slots: [(first_slot, length), ...]."""
+    runs: list[tuple[int, int]] = []
+    t = start
+    while t < end:
+        b = block_table[t // block_size]
+        off = t % block_size
+        take = min(block_size - off, end - t)
+        s = b * block_size + off
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + take)
+        else:
+            runs.append((s, take))
+        t += take
+    return runs
+
+
+class PagedKVCache:
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        g, D = config.num_kv_heads, config.head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self.dtype = dtype
+        self.device = device
+        # torch.empty: pages the engine never touches are never committed by the OS.
+        self.k = [torch.empty(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.empty(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores new keys/values: slots [T] int64, k/v [T, g, D]."""
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies the KV of slots `src` to slots `dst` in every layer (copy-on-write of a partial block)."""
+        if not src:
+            return
+        s = torch.tensor(list(src), dtype=torch.long, device=self.device)
+        d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
+        for k, v in zip(self.k, self.v):
+            k.index_copy_(1, d, k.index_select(1, s))
+            v.index_copy_(1, d, v.index_select(1, s))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,0 +1,618 @@
+"""The multi-request engine: paged KV, radix prefix cache, cache-aware continuous batching.
+
+One `step()`:
+  1. cancelled requests release their blocks;
+  2. schedule (oldest request first): every running sample gets a slot for its next token
+     (evicting cached prefixes, then preempting the youngest work if blocks run out); prompt
+     chunks and resumed samples fill the rest of the token budget; then waiting requests are
+     admitted in cache-aware order (longest cached prefix first, with an aging bound) or FCFS;
+  3. one forward over all scheduled tokens (decode rows + prefill chunks), with every block
+     shared by several decode rows read once for all of them (`attention/paged.py`);
+  4. sample, stop checks, stream events; finished samples and requests release their blocks
+     (their tokens stay in the prefix cache until evicted).
+
+A request's `n` samples share its prompt blocks by reference count; each sample copies only the
+prompt's partial last block. Samples start as blocks allow (waves for large n). A preempted
+sample keeps its tokens and is recomputed on top of the still-pinned prompt blocks; a request
+preempted entirely returns to the queue and finds its prompt in the prefix cache. Random draws
+depend only on (seed, sample index, step), so results equal `LLM.sample`'s whatever the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from forklm.attention.auto import choose_decode_path
+from forklm.attention.paged import PagedAttention, PrefillChunk, SegmentRead, StepPlan
+from forklm.attention.shared_prefix import shared_segments
+from forklm.cache.block_pool import BlockPool
+from forklm.cache.paged_kv import PagedKVCache, kv_bytes_per_block, slot_runs, slots_of
+from forklm.cache.radix_cache import RadixCache
+from forklm.device import available_memory_bytes
+from forklm.engine.request import RequestState, Sequence, Status, TokenEvent
+from forklm.engine.sample_state import SampleState, check_finished, draw_next, stop_token_set, to_sample
+from forklm.errors import InvalidArgumentError, OutOfMemoryError
+from forklm.models.llama import LlamaModel
+from forklm.outputs import SampleOutput
+from forklm.sampling.params import SamplingParams
+from forklm.sampling.seeds import fresh_seed
+
+SCHEDULES = ("cache-aware", "fcfs")
+SHARED_ATTENTION = ("auto", "bifurcated", "standard")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit pool size; else from memory_budget
+    memory_budget: int | None = None  # bytes of KV; default: memory_fraction of free memory
+    memory_fraction: float = 0.25
+    max_batch_tokens: int = 512  # tokens per forward: decode rows + prefill chunks
+    prefix_cache: bool = True
+    schedule: str = "cache-aware"  # or "fcfs"
+    max_wait_steps: int = 256  # aging bound: a request waiting this many steps goes first
+    shared_attention: str = "auto"  # per shared segment: measured rule, always, or never
+    defer_shared_prefill: bool = True  # wait for a running prefill of the same prefix, then hit it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise InvalidArgumentError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise InvalidArgumentError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1:
+            raise InvalidArgumentError(f"max_batch_tokens must be an integer >= 1, got {self.max_batch_tokens!r}")
+        if self.schedule not in SCHEDULES:
+            raise InvalidArgumentError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.shared_attention not in SHARED_ATTENTION:
+            raise InvalidArgumentError(f"shared_attention must be one of {SHARED_ATTENTION}, got {self.shared_attention!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (each admission)
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache
+    computed_tokens: int = 0  # tokens run through the model
+    preempted_samples: int = 0
+    preempted_requests: int = 0
+    shared_reads: int = 0  # decode segment reads shared by several rows (bifurcated)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Engine:
+    """Drives many requests through one model. Not thread-safe: `EngineLoop` runs it on one thread."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        decode: Callable[[list[int]], str],
+        eos_token_ids: tuple[int, ...],
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.decode = decode
+        self.eos_token_ids = eos_token_ids
+        self.config = cfg = config or EngineConfig()
+        per_block = kv_bytes_per_block(model.config, model.dtype, cfg.block_size)
+        num_blocks = cfg.num_blocks
+        if num_blocks is None:
+            budget = cfg.memory_budget or int(cfg.memory_fraction * available_memory_bytes(model.device))
+            num_blocks = budget // per_block
+            if num_blocks < 2:
+                raise OutOfMemoryError(f"a KV memory budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+        self.block_size = cfg.block_size
+        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.radix = RadixCache(self.pool)
+        self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, model.dtype, model.device)
+        self.waiting: list[RequestState] = []
+        self.active: list[RequestState] = []  # PREFILLING / RUNNING, in arrival order
+        self.requests: dict[str, RequestState] = {}
+        self.metrics = EngineMetrics()
+        self._arrivals = itertools.count()
+        self._lock = threading.Lock()  # guards cancel flags set from other threads
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        on_event: Callable[[TokenEvent], None] | None = None,
+    ) -> RequestState:
+        """Queues a request; raises InvalidArgumentError if it can never run."""
+        order = next(self._arrivals)
+        rid = request_id if request_id is not None else f"req-{order}"
+        if rid in self.requests:
+            raise InvalidArgumentError(f"request_id {rid!r} is already in use")
+        V = self.model.config.vocab_size
+        if not prompt_ids:
+            raise InvalidArgumentError("prompt must not be empty")
+        if any(not 0 <= t < V for t in prompt_ids):
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {V})")
+        limit = self.model.config.max_position_embeddings
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidArgumentError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context length of {limit} tokens"
+            )
+        need = self.min_blocks(len(prompt_ids), params.max_tokens)
+        if need > self.pool.num_blocks:
+            raise InvalidArgumentError(
+                f"request needs at least {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
+                f"{params.max_tokens}, block size {self.block_size}) but the engine's pool holds "
+                f"{self.pool.num_blocks}; it can never run: shorten it or give the engine more memory"
+            )
+        seed = params.seed if params.seed is not None else fresh_seed()
+        req = RequestState(rid, list(prompt_ids), params, seed, order, on_event)
+        req.samples = [SampleState(i) for i in range(params.n)]
+        req.stats.prompt_tokens = len(prompt_ids)
+        req.submit_time = time.perf_counter()
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def min_blocks(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks one request needs to make progress with a single sample."""
+        bs = self.block_size
+        return -(-prompt_len // bs) + -(-(prompt_len % bs + max_tokens) // bs)
+
+    def cancel(self, request_id: str) -> bool:
+        """Marks a request cancelled (any thread); its blocks are released at the next step."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.status is Status.FINISHED:
+                return False
+            req.cancelled = True
+            return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestState]:
+        """One scheduling round and forward pass; returns the requests that finished in it."""
+        finished: list[RequestState] = []
+        with self._lock:
+            cancelled = [r for r in self.waiting + self.active if r.cancelled]
+        for req in cancelled:
+            self._finish_request(req, cancelled=True)
+            finished.append(req)
+        decode, chunks = self._schedule()
+        if not decode and not chunks:
+            return finished
+        self.metrics.steps += 1
+        logits, row_of_seq = self._forward(decode, chunks)
+        for req in self._sample(decode, chunks, logits, row_of_seq):
+            finished.append(req)
+        return finished
+
+    def run(self) -> None:
+        """Steps until every request has finished."""
+        while self.has_unfinished():
+            before = self.metrics.steps
+            self.step()
+            if self.metrics.steps == before and self.has_unfinished() and not self._any_cancel_pending():
+                # Nothing could be scheduled: only possible if memory is held outside the engine.
+                raise OutOfMemoryError("the engine cannot schedule any work: no KV blocks can be freed")
+
+    def _any_cancel_pending(self) -> bool:
+        return any(r.cancelled for r in self.waiting + self.active)
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int, int]]]:
+        budget = self.config.max_batch_tokens
+        decode: list[Sequence] = []
+        scheduled: set[int] = set()  # id() of sequences already in this step
+        # (a) every running sample with one pending token decodes; blocks first, oldest first
+        for req in list(self.active):
+            for seq in list(req.running):
+                if seq.num_pending != 1 or seq not in req.running:
+                    continue
+                if self._ensure_capacity(seq, scheduled):
+                    decode.append(seq)
+                    scheduled.add(id(seq))
+        budget -= len(decode)
+        chunks: list[tuple[Sequence, int, int]] = []
+
+        def add_chunk(seq: Sequence) -> None:
+            nonlocal budget
+            take = min(seq.num_pending, max(budget, 0))
+            if take <= 0:
+                return
+            if take == 1 and seq.num_pending == 1:
+                decode.append(seq)
+            else:
+                chunks.append((seq, seq.num_computed, seq.num_computed + take))
+            scheduled.add(id(seq))
+            budget -= take
+
+        # (b) prompts being prefilled and samples being recomputed, oldest first
+        for req in self.active:
+            if req.status is Status.PREFILLING:
+                add_chunk(req.prompt_seq)
+            for seq in req.running:
+                if seq.num_pending > 1 and id(seq) not in scheduled:
+                    add_chunk(seq)
+        # (c) samples waiting for blocks (waves of a large n, preempted samples)
+        for req in self.active:
+            while req.status is Status.RUNNING and req.pending and budget > 0:
+                seq = self._start_sample(req, req.pending[0])
+                if seq is None:
+                    break
+                req.pending.pop(0)
+                req.running.append(seq)
+                add_chunk(seq)
+        # (d) admit waiting requests
+        for req in self._admission_order():
+            if budget <= 0:
+                break
+            if self._defer(req):
+                continue
+            if not self._admit(req):
+                continue
+            add_chunk(req.prompt_seq)
+        for req in self.waiting:
+            req.waited_steps += 1
+        return decode, chunks
+
+    def _admission_order(self) -> list[RequestState]:
+        if self.config.schedule == "fcfs" or not self.config.prefix_cache:
+            return sorted(self.waiting, key=lambda r: r.arrival)
+        aged = sorted((r for r in self.waiting if r.waited_steps >= self.config.max_wait_steps), key=lambda r: r.arrival)
+        rest = [r for r in self.waiting if r.waited_steps < self.config.max_wait_steps]
+        matched = {id(r): self.radix.match_prefix(r.prompt_ids).num_tokens for r in rest}
+        rest.sort(key=lambda r: (-matched[id(r)], r.arrival))
+        return aged + rest
+
+    def _defer(self, req: RequestState) -> bool:
+        """Waits for an in-flight prefill of the same uncached prefix (then hits the cache)."""
+        if not (self.config.defer_shared_prefill and self.config.prefix_cache):
+            return False
+        if req.waited_steps >= self.config.max_wait_steps:
+            return False
+        bs = self.block_size
+        cached = self.radix.match_prefix(req.prompt_ids).num_tokens
+        for other in self.active:
+            if other.status is not Status.PREFILLING:
+                continue
+            shared = _common_prefix(req.prompt_ids, other.prompt_ids)
+            if shared // bs * bs > cached and shared >= bs:
+                return True
+        return False
+
+    def _admit(self, req: RequestState) -> bool:
+        """Takes blocks for the whole prompt (cached prefix by reference); False if they do not fit."""
+        bs = self.block_size
+        prompt = req.prompt_ids
+        matched_blocks: list[int] = []
+        node = None
+        if self.config.prefix_cache:
+            m = self.radix.match_prefix(prompt)
+            node, matched_blocks = m.node, list(m.blocks)
+            self.radix.lock(node)
+            self.pool.incref(matched_blocks)
+        need = -(-len(prompt) // bs) - len(matched_blocks)
+        # Leave room for every running sample's next block, so admission does not cause preemption.
+        reserve = sum(len(r.running) for r in self.active)
+        room = self.pool.num_free + (self.radix.num_evictable_blocks if self.config.prefix_cache else 0)
+        new = self._allocate(need) if need + reserve <= room else None
+        if new is None:
+            if node is not None:
+                self.pool.decref(matched_blocks)
+                self.radix.unlock(node)
+            return False
+        req.locked_node = node
+        req.prompt_blocks = matched_blocks + new
+        num_cached = len(matched_blocks) * bs
+        req.cached_tokens = num_cached
+        self.metrics.prompt_tokens += len(prompt)
+        self.metrics.cached_prompt_tokens += num_cached
+        req.prompt_seq = Sequence(req, list(prompt), req.prompt_blocks, num_cached)
+        req.status = Status.PREFILLING
+        self.waiting.remove(req)
+        self.active.append(req)
+        self.active.sort(key=lambda r: r.arrival)
+        return True
+
+    def _allocate(self, n: int) -> list[int] | None:
+        if n == 0:
+            return []
+        blocks = self.pool.allocate(n)
+        if blocks is None and self.config.prefix_cache:
+            self.radix.evict(n - self.pool.num_free)
+            blocks = self.pool.allocate(n)
+        return blocks
+
+    def _ensure_capacity(self, seq: Sequence, scheduled: set[int]) -> bool:
+        """Gives `seq` a slot for its next token, preempting younger work if needed.
+
+        Returns False if `seq` itself had to be preempted.
+        """
+        if seq.num_computed < len(seq.block_table) * self.block_size:
+            return True
+        while True:
+            blocks = self._allocate(1)
+            if blocks is not None:
+                seq.block_table.extend(blocks)
+                return True
+            if not self._preempt_one(seq, scheduled):
+                self._preempt_sample(seq)
+                return False
+
+    def _preempt_one(self, for_seq: Sequence, scheduled: set[int]) -> bool:
+        """Frees blocks from the youngest work that `for_seq` outranks; False if there is none."""
+        mine = for_seq.request
+        for victim in reversed(self.active):
+            if victim.arrival < mine.arrival:
+                break
+            candidates = [s for s in victim.running if s is not for_seq and id(s) not in scheduled]
+            if candidates:
+                self._preempt_sample(candidates[-1])
+                return True
+            if victim is not mine:
+                self._preempt_request(victim)
+                return True
+        return False
+
+    def _preempt_sample(self, seq: Sequence) -> None:
+        req = seq.request
+        req.running.remove(seq)
+        self.pool.decref(seq.block_table)
+        req.pending.insert(0, seq.sample)
+        req.pending.sort(key=lambda s: s.index)
+        self.metrics.preempted_samples += 1
+
+    def _preempt_request(self, req: RequestState) -> None:
+        for seq in list(req.running):
+            self._preempt_sample(seq)
+        self._release_prompt(req)
+        req.pending = []
+        req.prompt_seq = None
+        req.status = Status.WAITING
+        req.waited_steps = 0
+        self.active.remove(req)
+        self.waiting.append(req)
+        self.metrics.preempted_requests += 1
+
+    def _release_prompt(self, req: RequestState) -> None:
+        if req.prompt_blocks:
+            self.pool.decref(req.prompt_blocks)
+            req.prompt_blocks = []
+        if req.locked_node is not None:
+            self.radix.unlock(req.locked_node)
+            req.locked_node = None
+
+    def _start_sample(self, req: RequestState, st: SampleState) -> Sequence | None:
+        """A sequence for a sample that has tokens but no KV: the prompt's full blocks shared, the
+        partial last block copied, blocks for its own tokens allocated (computed by the next chunk)."""
+        bs = self.block_size
+        P = len(req.prompt_ids)
+        full, rem = divmod(P, bs)
+        tokens = req.prompt_ids + st.token_ids
+        need = -(-len(tokens) // bs) - full
+        new = self._allocate(need)
+        if new is None:
+            return None
+        shared = req.prompt_blocks[:full]
+        self.pool.incref(shared)
+        if rem:
+            src = req.prompt_blocks[full] * bs
+            self.kv.copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
+        return Sequence(req, tokens, shared + new, P, st)
+
+    # ------------------------------------------------------------------ forward
+    def _forward(
+        self, decode: list[Sequence], chunks: list[tuple[Sequence, int, int]]
+    ) -> tuple[torch.Tensor, dict[int, int]]:
+        bs = self.block_size
+        dev = self.model.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        row_of_seq: dict[int, int] = {}  # id(seq) -> row of its logits
+        for seq in decode:
+            t = seq.num_computed
+            row_of_seq[id(seq)] = len(logits_rows)
+            logits_rows.append(len(ids))
+            ids.append(seq.tokens[t])
+            pos.append(t)
+            slots.append(seq.block_table[t // bs] * bs + t % bs)
+        plan_chunks = []
+        for seq, s0, s1 in chunks:
+            row0 = len(ids)
+            ids.extend(seq.tokens[s0:s1])
+            pos.extend(range(s0, s1))
+            slots.extend(slots_of(seq.block_table, s0, s1, bs))
+            plan_chunks.append(PrefillChunk(row0, s1 - s0, slot_runs(seq.block_table, 0, s0, bs)))
+            if s1 == len(seq.tokens):
+                row_of_seq[id(seq)] = len(logits_rows)
+                logits_rows.append(len(ids) - 1)
+        plan = StepPlan(torch.tensor(slots, dtype=torch.long, device=dev), len(decode), chunks=plan_chunks)
+        if decode:
+            self._plan_decode(plan, decode)
+        self.metrics.computed_tokens += len(ids)
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            PagedAttention(self.kv, plan),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        for seq, s0, s1 in chunks:
+            seq.num_computed = s1
+        for seq in decode:
+            seq.num_computed += 1
+        return logits, row_of_seq
+
+    def _plan_decode(self, plan: StepPlan, decode: list[Sequence]) -> None:
+        bs = self.block_size
+        dev = self.model.device
+        full = [seq.block_table[: seq.num_computed // bs] for seq in decode]
+        segments, tail_start = shared_segments(full)
+        mode = self.config.shared_attention
+        for seg in segments:
+            tokens = len(seg.blocks) * bs
+            if mode == "auto":
+                bif = choose_decode_path(dev.type, len(seg.rows), tokens, 0) == "bifurcated"
+            else:
+                bif = mode == "bifurcated"
+            self.metrics.shared_reads += bif
+            runs = slot_runs(seg.blocks, 0, tokens, bs)
+            plan.segments.append(SegmentRead(torch.tensor(seg.rows, dtype=torch.long, device=dev), runs, bif))
+        tails = [
+            slots_of(seq.block_table, tail_start[r] * bs, seq.num_computed + 1, bs) for r, seq in enumerate(decode)
+        ]
+        L = max(len(t) for t in tails)
+        lens = [len(t) for t in tails]
+        padded = [t + [t[0]] * (L - len(t)) for t in tails]
+        plan.tail_slots = torch.tensor(padded, dtype=torch.long, device=dev)
+        if min(lens) < L:
+            valid = torch.arange(L, device=dev).unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)
+            mask = torch.zeros(len(decode), L, dtype=self.model.dtype, device=dev)
+            plan.tail_mask = mask.masked_fill(~valid, float("-inf")).view(len(decode), 1, 1, L)
+
+    # ------------------------------------------------------------------ sampling and bookkeeping
+    def _sample(
+        self,
+        decode: list[Sequence],
+        chunks: list[tuple[Sequence, int, int]],
+        logits: torch.Tensor,
+        row_of_seq: dict[int, int],
+    ) -> list[RequestState]:
+        by_request: dict[int, tuple[RequestState, list[Sequence]]] = {}
+        prompts_done: list[Sequence] = []
+        for seq in decode + [c[0] for c in chunks]:
+            if id(seq) not in row_of_seq:
+                continue
+            if seq.sample is None:
+                prompts_done.append(seq)
+            else:
+                by_request.setdefault(id(seq.request), (seq.request, []))[1].append(seq)
+        finished: list[RequestState] = []
+        now = time.perf_counter()
+        for seq in prompts_done:
+            req = seq.request
+            self._prompt_done(req)
+            fresh = [s for s in req.samples if not s.token_ids]
+            if fresh:
+                row = logits[row_of_seq[id(seq)]].unsqueeze(0).expand(len(fresh), -1)
+                self._draw(req, fresh, row, now)
+            req.pending = [s for s in req.samples if not s.finished]
+            if not req.pending:
+                self._finish_request(req)
+                finished.append(req)
+        for req, seqs in by_request.values():
+            req.stats.steps += 1
+            rows = torch.tensor([row_of_seq[id(s)] for s in seqs], dtype=torch.long, device=logits.device)
+            self._draw(req, [s.sample for s in seqs], logits.index_select(0, rows), now)
+            for seq in seqs:
+                if seq.sample.finished:
+                    self._release_sequence(seq)
+                else:
+                    seq.tokens.append(seq.sample.token_ids[-1])
+            if not req.unfinished_samples:
+                self._finish_request(req)
+                finished.append(req)
+        return finished
+
+    def _draw(self, req: RequestState, states: list[SampleState], logits: torch.Tensor, now: float) -> None:
+        stop_ids = stop_token_set(req.params, self.eos_token_ids)
+        draw_next(logits, states, req.params, req.seed, stop_ids)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.stats.generated_tokens += len(states)
+        for st in states:
+            done = check_finished(st, req.params, stop_ids, self.decode)
+            if req.on_event is not None:
+                req.on_event(
+                    TokenEvent(req.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if done else None)
+                )
+
+    def _prompt_done(self, req: RequestState) -> None:
+        """The prompt's KV is complete: cache it at once, so siblings and other requests hit it."""
+        req.status = Status.RUNNING
+        req.prompt_seq = None
+        if not self.config.prefix_cache:
+            return
+        bs = self.block_size
+        full = len(req.prompt_ids) // bs
+        self.radix.insert(req.prompt_ids[: full * bs], req.prompt_blocks[:full])
+        node = self.radix.match_prefix(req.prompt_ids, max_tokens=full * bs).node
+        self.radix.lock(node)
+        if req.locked_node is not None:
+            self.radix.unlock(req.locked_node)
+        req.locked_node = node
+
+    def _release_sequence(self, seq: Sequence) -> None:
+        """A finished sample: its computed full blocks join the prefix cache, its references go."""
+        req = seq.request
+        if self.config.prefix_cache:
+            full = seq.num_computed // self.block_size
+            self.radix.insert(seq.tokens[: full * self.block_size], seq.block_table[:full])
+        self.pool.decref(seq.block_table)
+        req.running.remove(seq)
+
+    def _finish_request(self, req: RequestState, cancelled: bool = False) -> None:
+        for seq in list(req.running):
+            self.pool.decref(seq.block_table)
+        req.running = []
+        req.pending = []
+        req.prompt_seq = None
+        self._release_prompt(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.active:
+            self.active.remove(req)
+        if cancelled:
+            for st in req.samples:
+                if not st.finished:
+                    st.finish_reason = "cancelled"
+        req.status = Status.FINISHED
+        now = time.perf_counter()
+        first = req.first_token_time if req.first_token_time is not None else now
+        req.stats.prefill_s = first - req.submit_time  # time to first token, queueing included
+        req.stats.decode_s = now - first
+        out = SampleOutput(
+            prompt_token_ids=list(req.prompt_ids),
+            samples=[to_sample(st, self.decode) for st in req.samples],
+            seed=req.seed,
+            stats=req.stats,
+        )
+        req.output = out
+        if req.on_event is not None:
+            req.on_event(TokenEvent(req.request_id, done=True, output=out))
+
+    # ------------------------------------------------------------------ checks
+    def holders(self) -> dict[object, list[int]]:
+        """Every block reference the engine's requests and sequences hold (for integrity checks)."""
+        out: dict[object, list[int]] = {}
+        for req in self.active:
+            out[("prompt", req.request_id)] = list(req.prompt_blocks)
+            for seq in req.running:
+                out[("sample", req.request_id, seq.sample.index)] = list(seq.block_table)
+        return out
+
+    def check_integrity(self) -> None:
+        self.radix.check_integrity(self.holders())
+
+    def blocks_in_use(self) -> int:
+        return self.pool.num_in_use
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
