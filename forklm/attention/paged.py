@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forklm.attention.auto import choose_decode_path
 from forklm.attention.segments import attend_segment, merge_partials
-from forklm.cache.paged_kv import PagedKVCache
+from forklm.attention.shared_prefix import shared_segments
+from forklm.cache.paged_kv import PagedKVCache, slot_runs, slots_of
 
 MAX_RUNS = 4
 
@@ -54,6 +56,48 @@ class StepPlan:
     tail_slots: torch.Tensor | None = None  # [B, L] slots of each decode row's tail (padded)
     tail_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive mask (0 / -inf); None if no padding
     chunks: list[PrefillChunk] = field(default_factory=list)
+
+
+def build_step_plan(
+    decode_rows: list[tuple[list[int], int]],  # (block_table, num_computed): the token at num_computed is new
+    chunks: list[tuple[list[int], int, int]],  # (block_table, s0, s1): tokens [s0, s1) are new
+    block_size: int,
+    shared_attention: str,  # "auto" | "bifurcated" | "standard"
+    device: torch.device,
+    mask_dtype: torch.dtype,
+) -> StepPlan:
+    """Where each new token's K/V goes and what each row attends to, for rows laid out as
+    `[decode rows | chunk 0 | chunk 1 | ...]`."""
+    bs = block_size
+    slots = [table[t // bs] * bs + t % bs for table, t in decode_rows]
+    plan_chunks = []
+    row = len(decode_rows)
+    for table, s0, s1 in chunks:
+        slots.extend(slots_of(table, s0, s1, bs))
+        plan_chunks.append(PrefillChunk(row, s1 - s0, slot_runs(table, 0, s0, bs)))
+        row += s1 - s0
+    plan = StepPlan(torch.tensor(slots, dtype=torch.long, device=device), len(decode_rows), chunks=plan_chunks)
+    if not decode_rows:
+        return plan
+    full = [table[: t // bs] for table, t in decode_rows]
+    segments, tail_start = shared_segments(full)
+    for seg in segments:
+        tokens = len(seg.blocks) * bs
+        if shared_attention == "auto":
+            bif = choose_decode_path(device.type, len(seg.rows), tokens, 0) == "bifurcated"
+        else:
+            bif = shared_attention == "bifurcated"
+        runs = slot_runs(seg.blocks, 0, tokens, bs)
+        plan.segments.append(SegmentRead(torch.tensor(seg.rows, dtype=torch.long, device=device), runs, bif))
+    tails = [slots_of(table, tail_start[r] * bs, t + 1, bs) for r, (table, t) in enumerate(decode_rows)]
+    lens = [len(t) for t in tails]
+    L = max(lens)
+    plan.tail_slots = torch.tensor([t + [t[0]] * (L - len(t)) for t in tails], dtype=torch.long, device=device)
+    if min(lens) < L:
+        valid = torch.arange(L, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
+        mask = torch.zeros(len(tails), L, dtype=mask_dtype, device=device).masked_fill(~valid, float("-inf"))
+        plan.tail_mask = mask.view(len(tails), 1, 1, L)
+    return plan
 
 
 class PagedAttention:

@@ -28,11 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from forklm.attention.auto import choose_decode_path
-from forklm.attention.paged import PagedAttention, PrefillChunk, SegmentRead, StepPlan
-from forklm.attention.shared_prefix import shared_segments
+from forklm.attention.paged import PagedAttention, build_step_plan
 from forklm.cache.block_pool import BlockPool
-from forklm.cache.paged_kv import PagedKVCache, kv_bytes_per_block, slot_runs, slots_of
+from forklm.cache.paged_kv import PagedKVCache, kv_bytes_per_block
 from forklm.cache.radix_cache import RadixCache
 from forklm.device import available_memory_bytes
 from forklm.engine.request import RequestState, Sequence, Status, TokenEvent
@@ -415,11 +413,9 @@ class Engine:
     def _forward(
         self, decode: list[Sequence], chunks: list[tuple[Sequence, int, int]]
     ) -> tuple[torch.Tensor, dict[int, int]]:
-        bs = self.block_size
         dev = self.model.device
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         logits_rows: list[int] = []
         row_of_seq: dict[int, int] = {}  # id(seq) -> row of its logits
         for seq in decode:
@@ -428,20 +424,21 @@ class Engine:
             logits_rows.append(len(ids))
             ids.append(seq.tokens[t])
             pos.append(t)
-            slots.append(seq.block_table[t // bs] * bs + t % bs)
-        plan_chunks = []
         for seq, s0, s1 in chunks:
-            row0 = len(ids)
             ids.extend(seq.tokens[s0:s1])
             pos.extend(range(s0, s1))
-            slots.extend(slots_of(seq.block_table, s0, s1, bs))
-            plan_chunks.append(PrefillChunk(row0, s1 - s0, slot_runs(seq.block_table, 0, s0, bs)))
             if s1 == len(seq.tokens):
                 row_of_seq[id(seq)] = len(logits_rows)
                 logits_rows.append(len(ids) - 1)
-        plan = StepPlan(torch.tensor(slots, dtype=torch.long, device=dev), len(decode), chunks=plan_chunks)
-        if decode:
-            self._plan_decode(plan, decode)
+        plan = build_step_plan(
+            [(seq.block_table, seq.num_computed) for seq in decode],
+            [(seq.block_table, s0, s1) for seq, s0, s1 in chunks],
+            self.block_size,
+            self.config.shared_attention,
+            dev,
+            self.model.dtype,
+        )
+        self.metrics.shared_reads += sum(seg.bifurcated for seg in plan.segments)
         self.metrics.computed_tokens += len(ids)
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
@@ -454,33 +451,6 @@ class Engine:
         for seq in decode:
             seq.num_computed += 1
         return logits, row_of_seq
-
-    def _plan_decode(self, plan: StepPlan, decode: list[Sequence]) -> None:
-        bs = self.block_size
-        dev = self.model.device
-        full = [seq.block_table[: seq.num_computed // bs] for seq in decode]
-        segments, tail_start = shared_segments(full)
-        mode = self.config.shared_attention
-        for seg in segments:
-            tokens = len(seg.blocks) * bs
-            if mode == "auto":
-                bif = choose_decode_path(dev.type, len(seg.rows), tokens, 0) == "bifurcated"
-            else:
-                bif = mode == "bifurcated"
-            self.metrics.shared_reads += bif
-            runs = slot_runs(seg.blocks, 0, tokens, bs)
-            plan.segments.append(SegmentRead(torch.tensor(seg.rows, dtype=torch.long, device=dev), runs, bif))
-        tails = [
-            slots_of(seq.block_table, tail_start[r] * bs, seq.num_computed + 1, bs) for r, seq in enumerate(decode)
-        ]
-        L = max(len(t) for t in tails)
-        lens = [len(t) for t in tails]
-        padded = [t + [t[0]] * (L - len(t)) for t in tails]
-        plan.tail_slots = torch.tensor(padded, dtype=torch.long, device=dev)
-        if min(lens) < L:
-            valid = torch.arange(L, device=dev).unsqueeze(0) < torch.tensor(lens, device=dev).unsqueeze(1)
-            mask = torch.zeros(len(decode), L, dtype=self.model.dtype, device=dev)
-            plan.tail_mask = mask.masked_fill(~valid, float("-inf")).view(len(decode), 1, 1, L)
 
     # ------------------------------------------------------------------ sampling and bookkeeping
     def _sample(

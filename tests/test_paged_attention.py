@@ -1,0 +1,219 @@
+"""Shared-prefix trie and paged attention (decode rows + prefill chunks) against a plain reference."""
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forklm.attention.paged import MAX_RUNS, PagedAttention, build_step_plan, merge_rows
+from forklm.attention.shared_prefix import shared_segments
+from forklm.cache.paged_kv import PagedKVCache, slot_runs, slots_of
+from forklm.config import ModelConfig
+
+from conftest import rel_err
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+# ---------------------------------------------------------------------- the trie
+def test_shared_segments_example():
+    tables = [
+        [1, 2, 3, 10],  # system [1,2] -> prompt [3] -> own [10]
+        [1, 2, 3, 11],
+        [1, 2, 4],
+        [5, 6],  # shares nothing
+        [1, 2, 3],  # ends where the others' own tokens start
+    ]
+    segments, tail = shared_segments(tables)
+    assert [(s.rows, s.blocks, s.start_block) for s in segments] == [
+        ((0, 1, 2, 4), (1, 2), 0),
+        ((0, 1, 4), (3,), 2),
+    ]
+    assert tail == [3, 3, 2, 0, 3]
+
+
+def test_shared_segments_no_sharing_and_empty():
+    assert shared_segments([]) == ([], [])
+    segs, tail = shared_segments([[1, 2], [3], []])
+    assert segs == [] and tail == [0, 0, 0]
+
+
+def _lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@st.composite
+def tree_tables(draw):
+    """Block tables of rows that share prefixes like a tree (distinct ids per tree node)."""
+    next_id = iter(range(10_000))
+    rows = []
+
+    def grow(prefix, depth):
+        kids = draw(st.integers(1, 3)) if depth < 3 else 1
+        for _ in range(kids):
+            own = [next(next_id) for _ in range(draw(st.integers(0, 3)))]
+            if depth < 3 and draw(st.booleans()):
+                grow(prefix + own, depth + 1)
+            else:
+                rows.append(prefix + own)
+
+    grow([], 0)
+    return draw(st.permutations(rows))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tree_tables())
+def test_shared_segments_properties(tables):
+    segments, tail = shared_segments(tables)
+    covered = {r: [] for r in range(len(tables))}
+    for seg in segments:
+        assert len(seg.rows) >= 2 and seg.blocks
+        for r in seg.rows:
+            t = tables[r]
+            assert tuple(t[seg.start_block : seg.start_block + len(seg.blocks)]) == seg.blocks
+            covered[r].append((seg.start_block, seg.start_block + len(seg.blocks)))
+    for r, spans in covered.items():
+        spans.sort()
+        end = 0
+        for a, b in spans:
+            assert a == end, f"row {r}: segments leave a gap or overlap at block {end}"
+            end = b
+        assert end == tail[r]
+    # Maximal: two rows share a segment reaching exactly their common prefix.
+    for r in range(len(tables)):
+        for s in range(r + 1, len(tables)):
+            both = [seg.start_block + len(seg.blocks) for seg in segments if r in seg.rows and s in seg.rows]
+            assert max(both, default=0) == _lcp(tables[r], tables[s])
+
+
+# ---------------------------------------------------------------------- attention
+def _config(h, g, D):
+    return ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": h * D,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": h,
+            "num_key_value_heads": g,
+            "vocab_size": 32,
+            "max_position_embeddings": 4096,
+        }
+    )
+
+
+def _reference(q, K, V, causal_offset=None):
+    """q [T, h, D], K/V [S, g, D] -> [T, h, D]; row t sees keys 0..causal_offset+t (all if None)."""
+    T, h, D = q.shape
+    p = h // K.shape[1]
+    Kh, Vh = K.repeat_interleave(p, dim=1).double(), V.repeat_interleave(p, dim=1).double()
+    s = torch.einsum("thd,shd->hts", q.double(), Kh) / math.sqrt(D)
+    if causal_offset is not None:
+        S = K.shape[0]
+        allowed = torch.arange(S).unsqueeze(0) <= causal_offset + torch.arange(T).unsqueeze(1)
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hts,shd->thd", torch.softmax(s, -1), Vh)
+
+
+def _random_tree_workload(gen: random.Random, bs: int, num_blocks: int, fragmented: bool):
+    """Block tables for: a system prompt shared by all requests, per-request prompts shared by
+    their samples, each sample's own tokens; plus one sequence mid-prefill. Block ids are handed
+    out in order or shuffled (a fragmented pool)."""
+    ids = list(range(num_blocks))
+    if fragmented:
+        gen.shuffle(ids)
+    free = iter(ids)
+    system = [next(free) for _ in range(gen.randint(0, 6))]
+    rows = []
+    for i in range(gen.randint(2, 4)):
+        prompt = system + [next(free) for _ in range(gen.randint(1, 4))]
+        for _ in range(gen.randint(2 if i == 0 else 1, 5)):
+            extra = gen.randint(1, 3 * bs)  # own tokens incl. the new one, partial last block
+            table = prompt + [next(free) for _ in range(-(-extra // bs))]
+            rows.append((table, len(prompt) * bs + extra - 1))
+    chunk_table = system + [next(free) for _ in range(5)]
+    s0 = gen.randint(0, len(chunk_table) * bs - 2)
+    s1 = gen.randint(s0 + 1, min(len(chunk_table) * bs, s0 + 3 * bs))
+    return rows, [(chunk_table, s0, s1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,g", [(4, 4), (9, 3), (6, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("fragmented", [False, True])
+@pytest.mark.parametrize("mode", ["auto", "bifurcated", "standard"])
+def test_paged_attention_matches_reference(dtype, h, g, fragmented, mode):
+    seed = hash((str(dtype), h, g, fragmented, mode)) % 2**31
+    gen = random.Random(seed)
+    tgen = torch.Generator().manual_seed(seed)
+    bs, D, num_blocks = 8, 16, 160
+    cfg = _config(h, g, D)
+    kv = PagedKVCache(cfg, num_blocks, bs, dtype, torch.device("cpu"))
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=tgen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=tgen))
+    rows, chunks = _random_tree_workload(gen, bs, num_blocks, fragmented)
+    T = len(rows) + sum(s1 - s0 for _, s0, s1 in chunks)
+    q = torch.randn(T, h, D, generator=tgen).to(dtype)
+    k = torch.randn(T, g, D, generator=tgen).to(dtype)
+    v = torch.randn(T, g, D, generator=tgen).to(dtype)
+    plan = build_step_plan(rows, chunks, bs, mode, torch.device("cpu"), dtype)
+    if mode == "bifurcated":
+        assert plan.segments and all(s.bifurcated for s in plan.segments)  # request 0 has >= 2 samples
+    if mode == "standard":
+        assert not any(s.bifurcated for s in plan.segments)
+    out = PagedAttention(kv, plan).attend(0, q, k, v)
+    assert out.shape == (T, h, D) and out.dtype == dtype
+    # The new K/V went to their slots.
+    assert torch.equal(kv.k[0][:, plan.write_slots].transpose(0, 1), k)
+    K, V = kv.k[0], kv.v[0]  # [g, slots, D]
+    refs = []
+    for r, (table, t) in enumerate(rows):
+        s = slots_of(table, 0, t + 1, bs)
+        refs.append(_reference(q[r : r + 1], K[:, s].transpose(0, 1), V[:, s].transpose(0, 1)))
+    row = len(rows)
+    for table, s0, s1 in chunks:
+        s = slots_of(table, 0, s1, bs)
+        refs.append(_reference(q[row : row + s1 - s0], K[:, s].transpose(0, 1), V[:, s].transpose(0, 1), s0))
+        row += s1 - s0
+    ref = torch.cat(refs)
+    assert rel_err(out, ref) < TOL[dtype]
+    # Per row too: a wrong row cannot hide in the overall norm.
+    per_row = ((out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item()
+    assert per_row < 5 * TOL[dtype]
+
+
+def test_reference_catches_a_missing_token():
+    """The comparison above can fail: dropping one key of a row changes its output."""
+    tgen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 16, generator=tgen)
+    K = torch.randn(20, 2, 16, generator=tgen)
+    V = torch.randn(20, 2, 16, generator=tgen)
+    assert rel_err(_reference(q, K[:19], V[:19]), _reference(q, K, V)) > 1e-3
+
+
+def test_fragmented_segment_is_gathered():
+    table = [9, 3, 7, 1, 5, 0]  # no two consecutive ids: one run per block
+    assert len(slot_runs(table, 0, 6 * 4, 4)) == 6 > MAX_RUNS
+    assert slot_runs([2, 3, 4, 8], 1, 14, 4) == [(9, 11), (32, 2)]
+
+
+def test_merge_rows_is_exact():
+    tgen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 2, 8, generator=tgen)
+    K = torch.randn(30, 2, 8, generator=tgen)
+    V = torch.randn(30, 2, 8, generator=tgen)
+    parts_o, parts_l, parts_r = [], [], []
+    for r in range(3):
+        for a, b in ((0, 10), (10, 25), (25, 30)):
+            s = torch.einsum("hd,shd->hs", q[r], K[a:b]) / math.sqrt(8)
+            lse = torch.logsumexp(s, -1)
+            parts_o.append(torch.einsum("hs,shd->hd", torch.softmax(s, -1), V[a:b]))
+            parts_l.append(lse)
+            parts_r.append(r)
+    out = merge_rows(3, torch.stack(parts_o), torch.stack(parts_l), torch.tensor(parts_r))
+    assert rel_err(out, _reference(q, K, V).float()) < 1e-5
