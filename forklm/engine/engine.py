@@ -129,15 +129,28 @@ class Engine:
         on_event: Callable[[TokenEvent], None] | None = None,
     ) -> RequestState:
         """Queues a request; raises InvalidArgumentError if it can never run."""
+        self.validate_request(prompt_ids, params)
         order = next(self._arrivals)
         rid = request_id if request_id is not None else f"req-{order}"
-        if rid in self.requests:
+        if rid in self.requests and self.requests[rid].status is not Status.FINISHED:
             raise InvalidArgumentError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else fresh_seed()
+        req = RequestState(rid, list(prompt_ids), params, seed, order, on_event)
+        req.samples = [SampleState(i) for i in range(params.n)]
+        req.stats.prompt_tokens = len(prompt_ids)
+        req.submit_time = time.perf_counter()
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidArgumentError unless the request can run here. Reads only fixed
+        configuration, so any thread may call it."""
         V = self.model.config.vocab_size
         if not prompt_ids:
             raise InvalidArgumentError("prompt must not be empty")
-        if any(not 0 <= t < V for t in prompt_ids):
-            raise InvalidArgumentError(f"prompt token ids must be in [0, {V})")
+        if any(not isinstance(t, int) or not 0 <= t < V for t in prompt_ids):
+            raise InvalidArgumentError(f"prompt token ids must be integers in [0, {V})")
         limit = self.model.config.max_position_embeddings
         if len(prompt_ids) + params.max_tokens > limit:
             raise InvalidArgumentError(
@@ -151,14 +164,6 @@ class Engine:
                 f"{params.max_tokens}, block size {self.block_size}) but the engine's pool holds "
                 f"{self.pool.num_blocks}; it can never run: shorten it or give the engine more memory"
             )
-        seed = params.seed if params.seed is not None else fresh_seed()
-        req = RequestState(rid, list(prompt_ids), params, seed, order, on_event)
-        req.samples = [SampleState(i) for i in range(params.n)]
-        req.stats.prompt_tokens = len(prompt_ids)
-        req.submit_time = time.perf_counter()
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return req
 
     def min_blocks(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks one request needs to make progress with a single sample."""
@@ -173,6 +178,14 @@ class Engine:
                 return False
             req.cancelled = True
             return True
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a request now, releasing its blocks (the engine's own thread only; see `cancel`)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        self._finish_request(req, cancelled=True)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
@@ -549,6 +562,7 @@ class Engine:
                 if not st.finished:
                     st.finish_reason = "cancelled"
         req.status = Status.FINISHED
+        self.requests.pop(req.request_id, None)
         now = time.perf_counter()
         first = req.first_token_time if req.first_token_time is not None else now
         req.stats.prefill_s = first - req.submit_time  # time to first token, queueing included

@@ -1,0 +1,172 @@
+"""Runs an `Engine` on its own thread, for callers on other threads or an asyncio event loop.
+
+    loop = EngineLoop(llm.engine())
+    stream = loop.submit(prompt_ids, params)        # validated here: bad input raises at once
+    for event in stream: ...                         # TokenEvents as tokens are produced
+    out = stream.result()                            # the SampleOutput
+    async for event in stream: ...                   # the same, from a coroutine
+    loop.cancel(stream.request_id)                   # blocks are released at the next step
+    loop.close()
+
+The engine is only touched by the loop thread: submissions and cancellations are queued and
+applied between steps. An exception inside a step fails the requests in flight (their streams
+receive the error, their blocks are released) and the loop goes on serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+from forklm.engine.engine import Engine
+from forklm.engine.request import TokenEvent
+from forklm.errors import ForkLMError, InvalidArgumentError
+from forklm.outputs import SampleOutput
+from forklm.sampling.params import SamplingParams
+
+
+class EngineLoopClosed(ForkLMError):
+    """The engine loop was closed; no new requests are accepted."""
+
+
+class RequestStream:
+    """The events of one request, readable from any thread or from asyncio."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._events: queue.Queue[TokenEvent] = queue.Queue()
+        self._aio: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self._lock = threading.Lock()
+        self._backlog: list[TokenEvent] = []
+        self.output: SampleOutput | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    # called on the loop thread
+    def _push(self, event: TokenEvent) -> None:
+        if event.done:
+            self.output, self.error = event.output, event.error
+        with self._lock:
+            if self._aio is not None:
+                loop, q = self._aio
+                loop.call_soon_threadsafe(q.put_nowait, event)
+            else:
+                self._events.put(event)
+                self._backlog.append(event)
+        if event.done:
+            self._done.set()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            event = self._events.get()
+            if event.done:
+                if event.error is not None:
+                    raise event.error
+                return
+            yield event
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:  # events that arrived before we attached, then live ones
+            for ev in self._backlog:
+                q.put_nowait(ev)
+            self._aio = (asyncio.get_running_loop(), q)
+        while True:
+            event = await q.get()
+            if event.done:
+                if event.error is not None:
+                    raise event.error
+                return
+            yield event
+
+    def result(self, timeout: float | None = None) -> SampleOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, name: str = "forklm-engine") -> None:
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._closed = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queues a request; raises InvalidArgumentError at once if it can never run."""
+        if self._closed:
+            raise EngineLoopClosed("the engine loop is closed")
+        self.engine.validate_request(prompt_ids, params)
+        rid = request_id if request_id is not None else f"loop-{next(self._ids)}"
+        stream = RequestStream(rid)
+        self._inbox.put(("add", list(prompt_ids), params, stream))
+        self._wake.set()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stops the thread; requests still in flight are cancelled."""
+        self._closed = True
+        self._inbox.put(("close",))
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            if not self._drain_inbox():
+                break
+            if not engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
+                self._fail_all(exc)
+        self._fail_all(EngineLoopClosed("the engine loop was closed"))
+
+    def _drain_inbox(self) -> bool:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if item[0] == "close":
+                return False
+            if item[0] == "cancel":
+                self.engine.cancel(item[1])
+                continue
+            _, prompt_ids, params, stream = item
+            try:
+                self.engine.add_request(prompt_ids, params, stream.request_id, on_event=stream._push)
+            except InvalidArgumentError as exc:
+                stream._push(TokenEvent(stream.request_id, done=True, error=exc))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Ends every request in flight with `exc`, releasing its blocks."""
+        engine = self.engine
+        for req in list(engine.waiting) + list(engine.active):
+            callback, req.on_event = req.on_event, None
+            try:
+                engine.abort(req.request_id)
+            except Exception:  # noqa: BLE001 - report the original error, not a follow-up
+                pass
+            if callback is not None:
+                callback(TokenEvent(req.request_id, done=True, error=exc))

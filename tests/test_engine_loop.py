@@ -1,0 +1,118 @@
+"""The engine on its own thread: concurrent submitters, streaming, asyncio, cancel, failures."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from forklm import InvalidArgumentError, Request
+from forklm.engine.loop import EngineLoop, EngineLoopClosed
+
+PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "# sort a list\n", "import os\n"]
+
+
+@pytest.fixture()
+def loop(smollm2_f32):
+    lp = EngineLoop(smollm2_f32.engine(num_blocks=300))
+    yield lp
+    lp.close()
+
+
+def wait_idle(lp, timeout=30):
+    end = time.time() + timeout
+    while lp.engine.has_unfinished() and time.time() < end:
+        time.sleep(0.05)
+    time.sleep(0.1)
+    assert lp.engine.blocks_in_use() == 0
+
+
+def test_concurrent_submitters_stream_the_same_samples(smollm2_f32, loop):
+    llm = smollm2_f32
+    results = {}
+
+    def client(i):
+        params = Request(PROMPTS[i], n=3, max_tokens=8, temperature=0.9, seed=i).params()
+        stream = loop.submit(llm.prompt_token_ids(PROMPTS[i]), params)
+        streamed = {}
+        for ev in stream:
+            streamed.setdefault(ev.sample_index, []).append(ev.token_id)
+        results[i] = (streamed, stream.result())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == [0, 1, 2, 3]
+    for i, (streamed, out) in results.items():
+        ref = llm.sample(PROMPTS[i], n=3, max_tokens=8, temperature=0.9, seed=i)
+        for s, r in zip(out.samples, ref.samples):
+            assert s.token_ids == r.token_ids
+            assert streamed[s.index] == s.token_ids  # every token was streamed, in order
+    wait_idle(loop)
+
+
+def test_asyncio_consumer(smollm2_f32, loop):
+    llm = smollm2_f32
+
+    async def main():
+        stream = loop.submit(llm.prompt_token_ids(PROMPTS[0]), Request(PROMPTS[0], n=2, max_tokens=6, seed=3).params())
+        tokens = [ev.token_id async for ev in stream]
+        return tokens, stream.result()
+
+    tokens, out = asyncio.run(main())
+    assert len(tokens) == sum(len(s.token_ids) for s in out.samples) > 0
+    wait_idle(loop)
+
+
+def test_cancel_from_another_thread(smollm2_f32, loop):
+    llm = smollm2_f32
+    params = Request(PROMPTS[1], n=4, max_tokens=200, ignore_eos=True, seed=1).params()
+    stream = loop.submit(llm.prompt_token_ids(PROMPTS[1]), params)
+    it = iter(stream)
+    next(it)  # it is running
+    threading.Thread(target=loop.cancel, args=(stream.request_id,)).start()
+    out = stream.result(timeout=60)
+    assert {s.finish_reason for s in out.samples} == {"cancelled"}
+    assert all(len(s.token_ids) < 200 for s in out.samples)
+    wait_idle(loop)
+
+
+def test_bad_input_raises_at_submit_and_loop_survives(smollm2_f32, loop):
+    llm = smollm2_f32
+    with pytest.raises(InvalidArgumentError, match="context length"):
+        loop.submit([1, 2, 3], Request("x", max_tokens=10**6).params())
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        loop.submit([10**9], Request("x").params())
+    out = loop.submit(llm.prompt_token_ids(PROMPTS[2]), Request("x", max_tokens=3, seed=0).params()).result(60)
+    assert len(out.samples[0].token_ids) >= 1
+
+
+def test_failed_step_fails_requests_not_the_loop(smollm2_f32, loop, monkeypatch):
+    llm = smollm2_f32
+    model = loop.engine.model
+    real_forward = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    stream = loop.submit(llm.prompt_token_ids(PROMPTS[0]), Request("x", n=2, max_tokens=20, seed=0).params())
+    with pytest.raises(RuntimeError, match="injected failure"):
+        stream.result(60)
+    wait_idle(loop)
+    loop.engine.check_integrity()
+    out = loop.submit(llm.prompt_token_ids(PROMPTS[0]), Request("x", n=2, max_tokens=4, seed=0).params()).result(60)
+    assert out.samples[0].token_ids == llm.sample(PROMPTS[0], n=2, max_tokens=4, seed=0).samples[0].token_ids
+
+
+def test_closed_loop_rejects(smollm2_f32):
+    lp = EngineLoop(smollm2_f32.engine(num_blocks=50))
+    lp.close()
+    with pytest.raises(EngineLoopClosed):
+        lp.submit([1, 2], Request("x").params())
