@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="forklm", description="Many samples from one context, fast and exact (bifurcated attention)."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{sample,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{sample,bench,bench-serve}")
 
     s = sub.add_parser("sample", help="draw n samples of one prompt", description="Draw n samples of one prompt; "
                        "print the best few by mean log-probability and a stats line.")
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 131072)")
     b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
     b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    from forklm.bench.serve_workload import build_parser as serve_parser
+
+    serve_parser(sub)
     return parser
 
 
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "sample":
             return _sample(args)
+        if args.command == "bench-serve":
+            from forklm.bench.serve_workload import run_from_args as run_serve
+
+            return run_serve(args)
         from forklm.bench.sweep import run_from_args
 
         return run_from_args(args)

@@ -174,6 +174,7 @@ class PagedAttention:
         kh = k.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
         vh = v.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
         o, lse = attend_segment(qh, kh, vh, scale, causal=True)  # [1, h, T, D], [1, h, T]
+        o = o.float()  # merged in float32, rounded once at the end
         if prefix:
             # All T·p query rows of a KV head against the earlier tokens, read in place.
             q_rows = q.view(T, g, p, D).permute(1, 0, 2, 3).reshape(1, g, T * p, D)
@@ -182,7 +183,7 @@ class PagedAttention:
                 o_p = o_p.view(g, T, p, D).permute(0, 2, 1, 3).reshape(1, h, T, D)
                 lse_p = lse_p.view(g, T, p).permute(0, 2, 1).reshape(1, h, T)
                 o, lse = merge_partials(o, lse, o_p, lse_p)
-        return o[0].transpose(0, 1)  # [T, h, D]
+        return o[0].transpose(0, 1).to(q.dtype)  # [T, h, D]
 
 
 def merge_rows(num_rows: int, o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

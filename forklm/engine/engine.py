@@ -260,6 +260,9 @@ class Engine:
             while req.status is Status.RUNNING and req.pending and budget > 0:
                 seq = self._start_sample(req, req.pending[0])
                 if seq is None:
+                    # A request with nothing running must not wait on younger ones forever.
+                    if not req.running and self._preempt_younger(req, scheduled):
+                        continue
                     break
                 req.pending.pop(0)
                 req.running.append(seq)
@@ -315,7 +318,8 @@ class Engine:
             self.pool.incref(matched_blocks)
         need = -(-len(prompt) // bs) - len(matched_blocks)
         # Leave room for every running sample's next block, so admission does not cause preemption.
-        reserve = sum(len(r.running) for r in self.active)
+        # Likewise one block per prefilling request and what each request's next sample needs.
+        reserve = sum(len(r.running) + self._next_sample_blocks(r) for r in self.active)
         room = self.pool.num_free + (self.radix.num_evictable_blocks if self.config.prefix_cache else 0)
         new = self._allocate(need) if need + reserve <= room else None
         if new is None:
@@ -336,11 +340,23 @@ class Engine:
         self.active.sort(key=lambda r: r.arrival)
         return True
 
+    def _next_sample_blocks(self, req: RequestState) -> int:
+        if req.status is Status.PREFILLING:
+            return 1
+        if req.pending:
+            bs = self.block_size
+            P = len(req.prompt_ids)
+            return -(-(P + len(req.pending[0].token_ids)) // bs) - P // bs
+        return 0
+
     def _allocate(self, n: int) -> list[int] | None:
+        """`n` blocks, evicting cached prefixes if that makes enough room; None (nothing evicted) if not."""
         if n == 0:
             return []
         blocks = self.pool.allocate(n)
         if blocks is None and self.config.prefix_cache:
+            if self.pool.num_free + self.radix.num_evictable_blocks < n:
+                return None
             self.radix.evict(n - self.pool.num_free)
             blocks = self.pool.allocate(n)
         return blocks
@@ -374,6 +390,18 @@ class Engine:
             if victim is not mine:
                 self._preempt_request(victim)
                 return True
+        return False
+
+    def _preempt_younger(self, req: RequestState, scheduled: set[int]) -> bool:
+        """Preempts the youngest request younger than `req` with nothing scheduled this step."""
+        for victim in reversed(self.active):
+            if victim.arrival <= req.arrival:
+                return False
+            busy = any(id(s) in scheduled for s in victim.running)
+            if busy or (victim.prompt_seq is not None and id(victim.prompt_seq) in scheduled):
+                continue
+            self._preempt_request(victim)
+            return True
         return False
 
     def _preempt_sample(self, seq: Sequence) -> None:
@@ -498,29 +526,43 @@ class Engine:
         for req, seqs in by_request.values():
             req.stats.steps += 1
             rows = torch.tensor([row_of_seq[id(s)] for s in seqs], dtype=torch.long, device=logits.device)
-            self._draw(req, [s.sample for s in seqs], logits.index_select(0, rows), now)
+            self._draw(req, [s.sample for s in seqs], logits.index_select(0, rows), now, seqs)
             for seq in seqs:
                 if seq.sample.finished:
                     self._release_sequence(seq)
-                else:
-                    seq.tokens.append(seq.sample.token_ids[-1])
             if not req.unfinished_samples:
                 self._finish_request(req)
                 finished.append(req)
         return finished
 
-    def _draw(self, req: RequestState, states: list[SampleState], logits: torch.Tensor, now: float) -> None:
+    def _draw(
+        self,
+        req: RequestState,
+        states: list[SampleState],
+        logits: torch.Tensor,
+        now: float,
+        seqs: list[Sequence] | None = None,
+    ) -> None:
         stop_ids = stop_token_set(req.params, self.eos_token_ids)
         draw_next(logits, states, req.params, req.seed, stop_ids)
         if req.first_token_time is None:
             req.first_token_time = now
         req.stats.generated_tokens += len(states)
-        for st in states:
-            done = check_finished(st, req.params, stop_ids, self.decode)
-            if req.on_event is not None:
-                req.on_event(
-                    TokenEvent(req.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if done else None)
-                )
+        done = [check_finished(st, req.params, stop_ids, self.decode) for st in states]
+        for seq, st, fin in zip(seqs or (), states, done):
+            if not fin:
+                seq.tokens.append(st.token_ids[-1])
+        for st, fin in zip(states, done):
+            self._emit(req, TokenEvent(req.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if fin else None))
+
+    def _emit(self, req: RequestState, event: TokenEvent) -> None:
+        """Calls the request's callback; one that raises is dropped (the request still runs)."""
+        if req.on_event is None:
+            return
+        try:
+            req.on_event(event)
+        except Exception:  # noqa: BLE001 - a consumer's failure must not break the engine
+            req.on_event = None
 
     def _prompt_done(self, req: RequestState) -> None:
         """The prompt's KV is complete: cache it at once, so siblings and other requests hit it."""
@@ -574,8 +616,7 @@ class Engine:
             stats=req.stats,
         )
         req.output = out
-        if req.on_event is not None:
-            req.on_event(TokenEvent(req.request_id, done=True, output=out))
+        self._emit(req, TokenEvent(req.request_id, done=True, output=out))
 
     # ------------------------------------------------------------------ checks
     def holders(self) -> dict[object, list[int]]:

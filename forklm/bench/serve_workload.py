@@ -1,0 +1,345 @@
+"""`forklm bench-serve`: concurrent requests sharing prefixes at several levels, with ablations.
+
+Workload (all sizes are options): S system prompts of `--system-tokens` tokens, each followed by
+U user prompts of `--user-tokens` tokens (S·U requests), each asking for n samples of
+`--new-tokens` tokens (EOS ignored, so every configuration does the same work). Requests arrive
+at uniformly random times over `--arrival-s` seconds, in random order. The prompts are random
+token ids: what is measured is the engine, not the text.
+
+Configurations, each on a fresh engine (cold cache) in one process, the same workload:
+    all-on            radix prefix cache + cache-aware order + shared-prefix attention (auto rule)
+    no-shared-attn    every decode row reads its whole KV itself ("standard")
+    no-radix          no prefix cache: every request prefills its whole prompt
+    fcfs              first come, first served; no waiting for a sibling's prefill
+    all-off           all three off
+
+Each run goes through `EngineLoop` (the engine on its thread, a client thread submitting at the
+arrival times), and reports throughput (generated tokens / makespan), time to first token and
+inter-token latency percentiles, and the prefix hit rate next to the best achievable (every
+distinct full block of the workload's prompts computed once). Then, on the all-on engine while
+idle, the TTFT of a new request whose system prompt is cached against one whose is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from forklm.cache.block_pool import BlockPool
+from forklm.cache.radix_cache import RadixCache
+from forklm.engine.loop import EngineLoop
+from forklm.sampling.params import SamplingParams
+
+CONFIGS = {
+    "all-on": dict(prefix_cache=True, schedule="cache-aware", shared_attention="auto", defer_shared_prefill=True),
+    "no-shared-attn": dict(prefix_cache=True, schedule="cache-aware", shared_attention="standard", defer_shared_prefill=True),
+    "no-radix": dict(prefix_cache=False, schedule="cache-aware", shared_attention="auto", defer_shared_prefill=False),
+    "fcfs": dict(prefix_cache=True, schedule="fcfs", shared_attention="auto", defer_shared_prefill=False),
+    "all-off": dict(prefix_cache=False, schedule="fcfs", shared_attention="standard", defer_shared_prefill=False),
+}
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # in arrival order
+    arrivals: list[float]  # seconds after start
+    params: list[SamplingParams]
+    groups: list[int]  # system prompt of each request
+
+
+def make_workload(args: argparse.Namespace, vocab: list[int]) -> Workload:
+    rng = random.Random(args.seed)
+    systems = [[rng.choice(vocab) for _ in range(args.system_tokens)] for _ in range(args.systems)]
+    reqs = []
+    for s, system in enumerate(systems):
+        for u in range(args.users):
+            user = [rng.choice(vocab) for _ in range(args.user_tokens)]
+            reqs.append((s, system + user))
+    rng.shuffle(reqs)
+    arrivals = sorted(rng.uniform(0, args.arrival_s) for _ in reqs)
+    params = [
+        SamplingParams(n=args.n, max_tokens=args.new_tokens, temperature=0.8, top_p=0.95, seed=1000 + i, ignore_eos=True)
+        for i in range(len(reqs))
+    ]
+    return Workload([p for _, p in reqs], arrivals, params, [s for s, _ in reqs])
+
+
+def best_hit_rate(prompts: list[list[int]], block_size: int) -> float:
+    """Hit rate with an unbounded cache: every distinct full block computed once, the last
+    prompt token always recomputed (the engine's rule)."""
+    total = sum(len(p) for p in prompts)
+    pool = BlockPool(sum(len(p) // block_size + 1 for p in prompts), block_size)
+    cache = RadixCache(pool)
+    hit = 0
+    for p in prompts:
+        m = cache.match_prefix(p)
+        hit += m.num_tokens
+        full = len(p) // block_size
+        blocks = pool.allocate(full)
+        cache.insert(p[: full * block_size], blocks)
+        pool.decref(blocks)
+    return hit / total
+
+
+@dataclass
+class RunResult:
+    name: str
+    options: dict
+    makespan_s: float = 0.0
+    generated_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        def pct(xs, q):
+            return statistics.quantiles(xs, n=100)[q - 1] if len(xs) >= 2 else (xs[0] if xs else None)
+
+        return {
+            "name": self.name,
+            "options": self.options,
+            "makespan_s": self.makespan_s,
+            "generated_tokens": self.generated_tokens,
+            "throughput_tok_s": self.generated_tokens / self.makespan_s if self.makespan_s else 0.0,
+            "ttft_p50_s": pct(self.ttft_s, 50),
+            "ttft_p90_s": pct(self.ttft_s, 90),
+            "ttft_p99_s": pct(self.ttft_s, 99),
+            "itl_p50_ms": pct(self.itl_s, 50) * 1e3 if self.itl_s else None,
+            "itl_p90_ms": pct(self.itl_s, 90) * 1e3 if self.itl_s else None,
+            "itl_p99_ms": pct(self.itl_s, 99) * 1e3 if self.itl_s else None,
+            **self.metrics,
+        }
+
+
+def run_config(llm, name: str, options: dict, wl: Workload, engine_args: dict, progress) -> tuple[RunResult, EngineLoop]:
+    engine = llm.engine(**engine_args, **options)
+    loop = EngineLoop(engine)
+    res = RunResult(name, options)
+    lock = threading.Lock()
+    last_token_at: dict[tuple[int, int], float] = {}
+    first_token_at: dict[int, float] = {}
+    submit_at: dict[int, float] = {}
+    streams = []
+    t0 = time.perf_counter()
+
+    def consume(i, stream):
+        for ev in stream:
+            now = time.perf_counter()
+            with lock:
+                res.generated_tokens += 1
+                first_token_at.setdefault(i, now)
+                key = (i, ev.sample_index)
+                if key in last_token_at:
+                    res.itl_s.append(now - last_token_at[key])
+                last_token_at[key] = now
+            progress(1)
+
+    consumers = []
+    for i, (prompt, at, params) in enumerate(zip(wl.prompts, wl.arrivals, wl.params)):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        submit_at[i] = time.perf_counter()
+        stream = loop.submit(prompt, params, request_id=f"{name}-{i}")
+        streams.append(stream)
+        th = threading.Thread(target=consume, args=(i, stream), daemon=True)
+        th.start()
+        consumers.append(th)
+    for th in consumers:
+        th.join()
+    res.makespan_s = time.perf_counter() - t0
+    res.ttft_s = [first_token_at[i] - submit_at[i] for i in first_token_at]
+    m = engine.metrics
+    res.metrics = {
+        "prefix_hit_rate": m.prefix_hit_rate,
+        "computed_tokens": m.computed_tokens,
+        "steps": m.steps,
+        "preempted_samples": m.preempted_samples,
+        "preempted_requests": m.preempted_requests,
+        "shared_segment_reads": m.shared_reads,
+        "blocks_in_use_after": engine.blocks_in_use(),
+    }
+    return res, loop
+
+
+def ttft_probe(llm, loop: EngineLoop, wl: Workload, args: argparse.Namespace, vocab: list[int]) -> dict:
+    """TTFT of a new request on an idle engine: system prompt cached vs a fresh one (median of 3)."""
+    rng = random.Random(args.seed + 1)
+    params = SamplingParams(n=args.n, max_tokens=1, seed=0)
+    cached, uncached = [], []
+    system0 = wl.prompts[wl.groups.index(0)][: args.system_tokens]
+    for _ in range(3):
+        user = [rng.choice(vocab) for _ in range(args.user_tokens)]
+        fresh_system = [rng.choice(vocab) for _ in range(args.system_tokens)]
+        for prompt, out in ((system0 + user, cached), (fresh_system + user, uncached)):
+            t = time.perf_counter()
+            stream = loop.submit(prompt, params)
+            next(iter(stream))
+            out.append(time.perf_counter() - t)
+            stream.result()
+    c, u = statistics.median(cached), statistics.median(uncached)
+    return {"ttft_cached_s": c, "ttft_uncached_s": u, "ratio": c / u}
+
+
+def build_parser(sub=None) -> argparse.ArgumentParser:
+    desc = "Concurrent requests sharing prefixes at several levels; ablations of the prefix cache, cache-aware order and shared-prefix attention."
+    p = sub.add_parser("bench-serve", help="benchmark: a shared-prefix serving workload with ablations",
+                       description=desc) if sub else argparse.ArgumentParser(description=desc)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--systems", type=int, default=4, help="system prompts (default: 4)")
+    p.add_argument("--system-tokens", type=int, default=1024, help="tokens per system prompt (default: 1024)")
+    p.add_argument("--users", type=int, default=16, help="user prompts per system prompt (default: 16)")
+    p.add_argument("--user-tokens", type=int, default=200, help="tokens per user prompt (default: 200)")
+    p.add_argument("-n", type=int, default=16, help="samples per request (default: 16)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per sample (default: 64)")
+    p.add_argument("--arrival-s", type=float, default=20.0, help="requests arrive uniformly over this window (default: 20)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {list(CONFIGS)} to run")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--memory-gib", type=float, default=3.0, help="KV pool size (default: 3 GiB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default: bench/results/serve_<device>_<dtype>.json)")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    return p
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from forklm import LLM
+    from forklm.bench.sweep import dtype_name
+
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    special = set(llm.eos_token_ids) | set(range(0, 20))
+    vocab = [t for t in range(llm.config.vocab_size) if t not in special]
+    wl = make_workload(args, vocab)
+    engine_args = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
+                       memory_budget=int(args.memory_gib * 2**30))
+    best = best_hit_rate(wl.prompts, args.block_size)
+    total = len(wl.prompts) * args.n * args.new_tokens
+    # warm-up: one small request through a throwaway engine (allocator, kernels)
+    warm = llm.engine(**engine_args)
+    warm.add_request(wl.prompts[0][:64], SamplingParams(n=2, max_tokens=4, seed=0))
+    warm.run()
+    del warm
+    results, probe = [], None
+    for name in names:
+        bar = tqdm(total=total, desc=name, unit="tok", file=sys.stderr)
+        res, loop = run_config(llm, name, CONFIGS[name], wl, engine_args, bar.update)
+        bar.close()
+        if name == "all-on":
+            probe = ttft_probe(llm, loop, wl, args, vocab)
+        loop.close()
+        results.append(res.summary())
+        s = results[-1]
+        print(f"{name:>15}: {s['throughput_tok_s']:7.1f} tok/s, makespan {s['makespan_s']:.1f} s, "
+              f"TTFT p50 {s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.0f} ms, "
+              f"hit rate {s['prefix_hit_rate']:.3f} (best {best:.3f})", file=sys.stderr)
+    doc = {
+        "meta": {
+            "command": "forklm bench-serve " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench-serve"] else "",
+            "model": str(llm.source),
+            "dtype": dtype_name(llm.dtype),
+            "device": llm.device.type,
+            "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "workload": {k: getattr(args, k) for k in ("systems", "system_tokens", "users", "user_tokens", "n",
+                                                         "new_tokens", "arrival_s", "seed")},
+            "engine": engine_args,
+            "best_hit_rate": best,
+        },
+        "runs": results,
+        "ttft_probe": probe,
+    }
+    out = Path(args.out or f"bench/results/serve_{llm.device.type}_{dtype_name(llm.dtype)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    try:
+        png = Path(args.plot) if args.plot else out.with_suffix(".png")
+        plot_serve(doc, png)
+        print(f"wrote {png}", file=sys.stderr)
+    except ImportError as e:
+        print(f"no plot ({e})", file=sys.stderr)
+    print(markdown_table(doc))
+    return 0
+
+
+def markdown_table(doc: dict) -> str:
+    best = doc["meta"]["best_hit_rate"]
+    base = next((r for r in doc["runs"] if r["name"] == "all-off"), None)
+    lines = [
+        "| config | tok/s | vs all-off | TTFT p50 / p90 (s) | ITL p50 / p90 (ms) | prefix hit rate (best) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["runs"]:
+        rel = f"{r['throughput_tok_s'] / base['throughput_tok_s']:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['name']} | {r['throughput_tok_s']:.0f} | {rel} | {r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | "
+            f"{r['itl_p50_ms']:.0f} / {r['itl_p90_ms']:.0f} | {r['prefix_hit_rate']:.3f} ({best:.3f}) |"
+        )
+    if doc.get("ttft_probe"):
+        p = doc["ttft_probe"]
+        lines.append("")
+        lines.append(f"Idle TTFT, cached system prompt {p['ttft_cached_s']:.3f} s vs uncached {p['ttft_uncached_s']:.3f} s "
+                     f"(ratio {p['ratio']:.2f})")
+    return "\n".join(lines)
+
+
+def plot_serve(doc: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    names = [r["name"] for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].bar(names, [r["throughput_tok_s"] for r in runs], color="tab:blue")
+    axes[0].set_ylabel("generated tok/s")
+    axes[0].set_title("throughput")
+    x = range(len(runs))
+    axes[1].bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in runs], 0.4, label="p50")
+    axes[1].bar([i + 0.2 for i in x], [r["ttft_p90_s"] for r in runs], 0.4, label="p90")
+    axes[1].set_xticks(list(x), names)
+    axes[1].set_ylabel("s")
+    axes[1].set_title("time to first token")
+    axes[1].legend()
+    axes[2].bar(names, [r["prefix_hit_rate"] for r in runs], color="tab:green")
+    axes[2].axhline(doc["meta"]["best_hit_rate"], color="k", ls="--", lw=1, label="best achievable")
+    axes[2].set_title("prefix cache hit rate")
+    axes[2].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=30)
+    w = doc["meta"]["workload"]
+    fig.suptitle(f"{Path(doc['meta']['model']).name}, {doc['meta']['dtype']} on {doc['meta']['device']}: "
+                 f"{w['systems']} system prompts x {w['users']} users x n={w['n']}, {w['new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
