@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forklm.attention.paged import MAX_RUNS, PagedAttention, build_step_plan, merge_rows
+from forklm.attention.paged import MAX_RUNS, PagedAttention, build_step_plan
 from forklm.attention.shared_prefix import shared_segments
 from forklm.cache.paged_kv import PagedKVCache, slot_runs, slots_of
 from forklm.config import ModelConfig
@@ -200,20 +200,3 @@ def test_fragmented_segment_is_gathered():
     table = [9, 3, 7, 1, 5, 0]  # no two consecutive ids: one run per block
     assert len(slot_runs(table, 0, 6 * 4, 4)) == 6 > MAX_RUNS
     assert slot_runs([2, 3, 4, 8], 1, 14, 4) == [(9, 11), (32, 2)]
-
-
-def test_merge_rows_is_exact():
-    tgen = torch.Generator().manual_seed(5)
-    q = torch.randn(3, 2, 8, generator=tgen)
-    K = torch.randn(30, 2, 8, generator=tgen)
-    V = torch.randn(30, 2, 8, generator=tgen)
-    parts_o, parts_l, parts_r = [], [], []
-    for r in range(3):
-        for a, b in ((0, 10), (10, 25), (25, 30)):
-            s = torch.einsum("hd,shd->hs", q[r], K[a:b]) / math.sqrt(8)
-            lse = torch.logsumexp(s, -1)
-            parts_o.append(torch.einsum("hs,shd->hd", torch.softmax(s, -1), V[a:b]))
-            parts_l.append(lse)
-            parts_r.append(r)
-    out = merge_rows(3, torch.stack(parts_o), torch.stack(parts_l), torch.tensor(parts_r))
-    assert rel_err(out, _reference(q, K, V).float()) < 1e-5

@@ -125,36 +125,38 @@ class PagedAttention:
         plan = self.plan
         B, h, D = q.shape
         p = h // g
-        os, lses, rows = [], [], []
-        for seg in plan.segments:
-            qs = q.index_select(0, seg.rows)  # [s, h, D]
-            s = qs.shape[0]
-            for ks, vs in self._segment_kv(layer, seg.runs):  # [1, g, S, D] each
-                if seg.bifurcated:
-                    q_rows = qs.view(s, g, p, D).transpose(0, 1).reshape(1, g, s * p, D)
-                    o, lse = attend_segment(q_rows, ks, vs, scale)
-                    o = o.view(g, s, p, D).transpose(0, 1).reshape(s, h, D)
-                    lse = lse.view(g, s, p).transpose(0, 1).reshape(s, h)
-                else:
-                    S = ks.shape[2]
-                    o, lse = attend_segment(qs.view(s, g, p, D), ks.expand(s, g, S, D), vs.expand(s, g, S, D), scale)
-                    o, lse = o.reshape(s, h, D), lse.reshape(s, h)
-                os.append(o)
-                lses.append(lse)
-                rows.append(seg.rows)
-        # Tails: [B, L] slots gathered into [B, g, L, D] (one copy of the rows' own tokens).
+        # Tails first: [B, L] slots gathered into [B, g, L, D] (one copy of the rows' own tokens).
         L = plan.tail_slots.shape[1]
         flat = plan.tail_slots.reshape(-1)
         kt = self.kv.k[layer].index_select(1, flat).view(g, B, L, D).transpose(0, 1)
         vt = self.kv.v[layer].index_select(1, flat).view(g, B, L, D).transpose(0, 1)
         o_t, lse_t = attend_segment(q.view(B, g, p, D), kt, vt, scale, attn_mask=plan.tail_mask)
-        o_t, lse_t = o_t.reshape(B, h, D), lse_t.reshape(B, h)
-        if not os:
-            return o_t
-        os.append(o_t)
-        lses.append(lse_t)
-        rows.append(torch.arange(B, device=q.device))
-        return merge_rows(B, torch.cat(os), torch.cat(lses), torch.cat(rows)).to(q.dtype)
+        if not plan.segments:
+            return o_t.reshape(B, h, D)
+        o = o_t.reshape(B, h, D).float()
+        lse = lse_t.reshape(B, h)
+        # Then each shared segment, merged into its rows' running (o, lse) by log-sum-exp.
+        for seg in plan.segments:
+            everyone = seg.rows.numel() == B  # rows are sorted and distinct: all of them, in order
+            qs = q if everyone else q.index_select(0, seg.rows)  # [s, h, D]
+            s = qs.shape[0]
+            for ks, vs in self._segment_kv(layer, seg.runs):  # [1, g, S, D] each
+                if seg.bifurcated:
+                    q_rows = qs.view(s, g, p, D).transpose(0, 1).reshape(1, g, s * p, D)
+                    o_s, lse_s = attend_segment(q_rows, ks, vs, scale)
+                    o_s = o_s.view(g, s, p, D).transpose(0, 1).reshape(s, h, D)
+                    lse_s = lse_s.view(g, s, p).transpose(0, 1).reshape(s, h)
+                else:
+                    S = ks.shape[2]
+                    o_s, lse_s = attend_segment(qs.view(s, g, p, D), ks.expand(s, g, S, D), vs.expand(s, g, S, D), scale)
+                    o_s, lse_s = o_s.reshape(s, h, D), lse_s.reshape(s, h)
+                if everyone:
+                    o, lse = merge_partials(o, lse, o_s, lse_s)
+                else:
+                    o_m, lse_m = merge_partials(o.index_select(0, seg.rows), lse.index_select(0, seg.rows), o_s, lse_s)
+                    o.index_copy_(0, seg.rows, o_m)
+                    lse.index_copy_(0, seg.rows, lse_m)
+        return o.to(q.dtype)
 
     def _segment_kv(self, layer: int, runs: Runs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         K, V = self.kv.k[layer], self.kv.v[layer]  # [g, slots, D]
@@ -184,18 +186,3 @@ class PagedAttention:
                 lse_p = lse_p.view(g, T, p).permute(0, 2, 1).reshape(1, h, T)
                 o, lse = merge_partials(o, lse, o_p, lse_p)
         return o[0].transpose(0, 1).to(q.dtype)  # [T, h, D]
-
-
-def merge_rows(num_rows: int, o: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Exact log-sum-exp merge of partial results that belong to the same rows.
-
-    o [P, h, D], lse [P, h] float32, rows [P] (which output row each partial belongs to)
-    -> [num_rows, h, D] float32.
-    """
-    h = lse.shape[1]
-    idx = rows.unsqueeze(1).expand(-1, h)
-    m = torch.full((num_rows, h), float("-inf"), device=lse.device).scatter_reduce(0, idx, lse, "amax")
-    w = torch.exp(lse - m.gather(0, idx))  # [P, h]
-    denom = torch.zeros(num_rows, h, device=lse.device).index_add_(0, rows, w)
-    out = torch.zeros(num_rows, h, o.shape[2], device=o.device).index_add_(0, rows, o.float() * w.unsqueeze(-1))
-    return out / denom.unsqueeze(-1)
