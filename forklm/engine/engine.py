@@ -572,9 +572,16 @@ class Engine:
             return
         bs = self.block_size
         full = len(req.prompt_ids) // bs
-        self.radix.insert(req.prompt_ids[: full * bs], req.prompt_blocks[:full])
-        node = self.radix.match_prefix(req.prompt_ids, max_tokens=full * bs).node
+        duplicates = self.radix.insert(req.prompt_ids[: full * bs], req.prompt_blocks[:full])
+        m = self.radix.match_prefix(req.prompt_ids, max_tokens=full * bs)
+        node = m.node
         self.radix.lock(node)
+        if duplicates:
+            # The tree already held some of these blocks (another request prefilled the same
+            # tokens meanwhile, or the last block was recomputed): use the tree's, free ours.
+            self.pool.incref(m.blocks)
+            self.pool.decref(req.prompt_blocks[:full])
+            req.prompt_blocks = list(m.blocks) + req.prompt_blocks[full:]
         if req.locked_node is not None:
             self.radix.unlock(req.locked_node)
         req.locked_node = node
