@@ -34,7 +34,7 @@ from forklm.cache.paged_kv import PagedKVCache, kv_bytes_per_block
 from forklm.cache.radix_cache import RadixCache
 from forklm.device import available_memory_bytes
 from forklm.engine.request import RequestState, Sequence, Status, TokenEvent
-from forklm.engine.sample_state import SampleState, check_finished, draw_next, stop_token_set, to_sample
+from forklm.engine.sample_state import SampleState, check_finished, draw_rows, stop_token_set, to_sample
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
 from forklm.outputs import SampleOutput
@@ -501,59 +501,68 @@ class Engine:
         logits: torch.Tensor,
         row_of_seq: dict[int, int],
     ) -> list[RequestState]:
-        by_request: dict[int, tuple[RequestState, list[Sequence]]] = {}
-        prompts_done: list[Sequence] = []
+        """Draws every sample's next token in one batch; stop checks, events, releases."""
+        rows: list[int] = []  # logits row of each drawn state
+        states: list[SampleState] = []
+        seqs: list[Sequence | None] = []  # None: a sample's first token, from its prompt's logits
+        owner: list[RequestState] = []  # the request of each drawn state
+        touched: dict[int, RequestState] = {}
+        prompts_done: list[RequestState] = []
         for seq in decode + [c[0] for c in chunks]:
             if id(seq) not in row_of_seq:
                 continue
-            if seq.sample is None:
-                prompts_done.append(seq)
-            else:
-                by_request.setdefault(id(seq.request), (seq.request, []))[1].append(seq)
-        finished: list[RequestState] = []
-        now = time.perf_counter()
-        for seq in prompts_done:
             req = seq.request
-            self._prompt_done(req)
-            fresh = [s for s in req.samples if not s.token_ids]
-            if fresh:
-                row = logits[row_of_seq[id(seq)]].unsqueeze(0).expand(len(fresh), -1)
-                self._draw(req, fresh, row, now)
-            req.pending = [s for s in req.samples if not s.finished]
-            if not req.pending:
-                self._finish_request(req)
-                finished.append(req)
-        for req, seqs in by_request.values():
-            req.stats.steps += 1
-            rows = torch.tensor([row_of_seq[id(s)] for s in seqs], dtype=torch.long, device=logits.device)
-            self._draw(req, [s.sample for s in seqs], logits.index_select(0, rows), now, seqs)
-            for seq in seqs:
-                if seq.sample.finished:
+            touched[id(req)] = req
+            if seq.sample is None:
+                self._prompt_done(req)
+                prompts_done.append(req)
+                fresh = [st for st in req.samples if not st.token_ids]
+                rows += [row_of_seq[id(seq)]] * len(fresh)
+                states += fresh
+                seqs += [None] * len(fresh)
+                owner += [req] * len(fresh)
+            else:
+                rows.append(row_of_seq[id(seq)])
+                states.append(seq.sample)
+                seqs.append(seq)
+                owner.append(req)
+        now = time.perf_counter()
+        if states:
+            stop_sets = {id(r): stop_token_set(r.params, self.eos_token_ids) for r in touched.values()}
+            idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            draw_rows(
+                logits.index_select(0, idx),
+                states,
+                [r.params for r in owner],
+                [r.seed for r in owner],
+                [stop_sets[id(r)] for r in owner],
+            )
+            done = [check_finished(st, r.params, stop_sets[id(r)], self.decode) for st, r in zip(states, owner)]
+            for seq, st, fin in zip(seqs, states, done):
+                if seq is not None and not fin:
+                    seq.tokens.append(st.token_ids[-1])
+            counted: set[int] = set()
+            for r in owner:
+                if r.first_token_time is None:
+                    r.first_token_time = now
+                r.stats.generated_tokens += 1
+                if id(r) not in counted:
+                    counted.add(id(r))
+                    r.stats.steps += 1
+            for st, r, fin in zip(states, owner, done):
+                event = TokenEvent(r.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if fin else None)
+                self._emit(r, event)
+            for seq, fin in zip(seqs, done):
+                if seq is not None and fin:
                     self._release_sequence(seq)
-            if not req.unfinished_samples:
+        for req in prompts_done:
+            req.pending = [st for st in req.samples if not st.finished]
+        finished: list[RequestState] = []
+        for req in touched.values():
+            if req.status is not Status.FINISHED and not req.unfinished_samples:
                 self._finish_request(req)
                 finished.append(req)
         return finished
-
-    def _draw(
-        self,
-        req: RequestState,
-        states: list[SampleState],
-        logits: torch.Tensor,
-        now: float,
-        seqs: list[Sequence] | None = None,
-    ) -> None:
-        stop_ids = stop_token_set(req.params, self.eos_token_ids)
-        draw_next(logits, states, req.params, req.seed, stop_ids)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.stats.generated_tokens += len(states)
-        done = [check_finished(st, req.params, stop_ids, self.decode) for st in states]
-        for seq, st, fin in zip(seqs or (), states, done):
-            if not fin:
-                seq.tokens.append(st.token_ids[-1])
-        for st, fin in zip(states, done):
-            self._emit(req, TokenEvent(req.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if fin else None))
 
     def _emit(self, req: RequestState, event: TokenEvent) -> None:
         """Calls the request's callback; one that raises is dropped (the request still runs)."""

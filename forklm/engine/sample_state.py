@@ -48,16 +48,40 @@ def draw_next(
     stop_ids: set[int],
 ) -> tuple[list[int], list[float]]:
     """Samples the next token of each state (its step is how many tokens it has) and appends it."""
+    b = len(states)
+    return draw_rows(logits, states, [params] * b, [seed] * b, [stop_ids] * b)
+
+
+def draw_rows(
+    logits: torch.Tensor,  # [b, V] float32, row r for states[r]
+    states: Sequence[SampleState],
+    params: Sequence[SamplingParams],  # per row (rows of one request share theirs)
+    seeds: Sequence[int],
+    stop_ids: Sequence[set[int]],
+) -> tuple[list[int], list[float]]:
+    """`draw_next` for rows of several requests: rows whose temperature/top-k/top-p agree are
+    drawn in one batch (every operation is per row, so the batch does not change a row's draw)."""
     step_of = [len(s.token_ids) for s in states]
     masked = logits
-    early = [r for r, t in enumerate(step_of) if t < params.min_tokens]
-    if early and stop_ids:
+    early = [r for r, t in enumerate(step_of) if t < params[r].min_tokens and stop_ids[r]]
+    if early:
         masked = logits.clone()
-        banned = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
-        rows = torch.tensor(early, dtype=torch.long, device=logits.device)
-        masked[rows.unsqueeze(1), banned.unsqueeze(0)] = float("-inf")
-    u = torch.tensor([counter_uniform(seed, s.index, t) for s, t in zip(states, step_of)], dtype=torch.float64)
-    tokens = sample_tokens(masked, params.temperature, params.top_k, params.top_p, u)
+        for r in early:
+            masked[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=logits.device)] = float("-inf")
+    u = torch.tensor(
+        [counter_uniform(seeds[r], s.index, t) for r, (s, t) in enumerate(zip(states, step_of))], dtype=torch.float64
+    )
+    groups: dict[tuple, list[int]] = {}
+    for r, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
+    if len(groups) == 1:
+        (key,) = groups
+        tokens = sample_tokens(masked, *key, u)
+    else:
+        tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        for key, rows in groups.items():
+            idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            tokens[idx] = sample_tokens(masked.index_select(0, idx), *key, u[idx.cpu()])
     lps = model_logprobs(logits, tokens)
     tokens_list, lps_list = tokens.tolist(), lps.tolist()
     for st, tok, lp in zip(states, tokens_list, lps_list):
