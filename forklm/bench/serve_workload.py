@@ -3,8 +3,9 @@
 Workload (all sizes are options): S system prompts of `--system-tokens` tokens, each followed by
 U user prompts of `--user-tokens` tokens (S·U requests), each asking for n samples of
 `--new-tokens` tokens (EOS ignored, so every configuration does the same work). Requests arrive
-at uniformly random times over `--arrival-s` seconds, in random order. The prompts are random
-token ids: what is measured is the engine, not the text.
+at uniformly random times over `--arrival-s` seconds, in random order. The text is real code:
+system prompts are the beginnings of Python standard-library modules (the file a code assistant
+works on), user prompts are snippets of other modules.
 
 Configurations, each on a fresh engine (cold cache) in one process, the same workload:
     all-on            radix prefix cache + cache-aware order + shared-prefix attention (auto rule)
@@ -57,14 +58,34 @@ class Workload:
     groups: list[int]  # system prompt of each request
 
 
-def make_workload(args: argparse.Namespace, vocab: list[int]) -> Workload:
+SOURCE_MODULES = ("argparse", "collections", "json.decoder", "heapq", "textwrap", "difflib", "fractions",
+                  "shlex", "string", "bisect", "functools", "dataclasses", "csv", "statistics", "graphlib")
+
+
+def code_token_pool(tokenize) -> list[list[int]]:
+    """Token ids of Python standard-library source files: real code, present wherever Python is."""
+    import importlib
+    import inspect
+
+    return [tokenize(inspect.getsource(importlib.import_module(m))) for m in SOURCE_MODULES]
+
+
+def make_workload(args: argparse.Namespace, sources: list[list[int]]) -> Workload:
+    """System prompts: the first `system_tokens` tokens of different source files (a file a code
+    assistant is working on); user prompts: `user_tokens` tokens from random places of the others."""
     rng = random.Random(args.seed)
-    systems = [[rng.choice(vocab) for _ in range(args.system_tokens)] for _ in range(args.systems)]
+    if args.systems > len(sources) - 1:
+        raise ValueError(f"--systems: at most {len(sources) - 1} with the bundled sources")
+    if any(len(src) < args.system_tokens for src in sources[: args.systems]):
+        raise ValueError(f"--system-tokens: some source files are shorter than {args.system_tokens} tokens")
+    systems = [src[: args.system_tokens] for src in sources[: args.systems]]
+    others = [src for src in sources[args.systems :] if len(src) > args.user_tokens]
     reqs = []
     for s, system in enumerate(systems):
-        for u in range(args.users):
-            user = [rng.choice(vocab) for _ in range(args.user_tokens)]
-            reqs.append((s, system + user))
+        for _ in range(args.users):
+            src = rng.choice(others)
+            at = rng.randrange(0, len(src) - args.user_tokens)
+            reqs.append((s, system + src[at : at + args.user_tokens]))
     rng.shuffle(reqs)
     arrivals = sorted(rng.uniform(0, args.arrival_s) for _ in reqs)
     params = [
@@ -172,15 +193,18 @@ def run_config(llm, name: str, options: dict, wl: Workload, engine_args: dict, p
     return res, loop
 
 
-def ttft_probe(llm, loop: EngineLoop, wl: Workload, args: argparse.Namespace, vocab: list[int]) -> dict:
-    """TTFT of a new request on an idle engine: system prompt cached vs a fresh one (median of 3)."""
+def ttft_probe(loop: EngineLoop, wl: Workload, args: argparse.Namespace, sources: list[list[int]]) -> dict:
+    """TTFT of a new request on an idle engine: system prompt cached vs not (median of 3)."""
     rng = random.Random(args.seed + 1)
     params = SamplingParams(n=args.n, max_tokens=1, seed=0)
     cached, uncached = [], []
     system0 = wl.prompts[wl.groups.index(0)][: args.system_tokens]
-    for _ in range(3):
-        user = [rng.choice(vocab) for _ in range(args.user_tokens)]
-        fresh_system = [rng.choice(vocab) for _ in range(args.system_tokens)]
+    other = sources[-1]
+    for i in range(3):
+        at = rng.randrange(0, len(other) - args.user_tokens)
+        user = other[at : at + args.user_tokens]
+        # the same file from a token no request started at: nothing of it is cached
+        fresh_system = sources[i][1 : args.system_tokens + 1]
         for prompt, out in ((system0 + user, cached), (fresh_system + user, uncached)):
             t = time.perf_counter()
             stream = loop.submit(prompt, params)
@@ -226,9 +250,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    special = set(llm.eos_token_ids) | set(range(0, 20))
-    vocab = [t for t in range(llm.config.vocab_size) if t not in special]
-    wl = make_workload(args, vocab)
+    sources = code_token_pool(lambda text: llm.tokenizer.encode(text, add_special_tokens=False))
+    wl = make_workload(args, sources)
     engine_args = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,
                        memory_budget=int(args.memory_gib * 2**30))
     best = best_hit_rate(wl.prompts, args.block_size)
@@ -244,7 +267,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         res, loop = run_config(llm, name, CONFIGS[name], wl, engine_args, bar.update)
         bar.close()
         if name == "all-on":
-            probe = ttft_probe(llm, loop, wl, args, vocab)
+            probe = ttft_probe(loop, wl, args, sources)
         loop.close()
         results.append(res.summary())
         s = results[-1]
