@@ -79,3 +79,25 @@ def test_bench_rejects_bad_options(tmp_path, capsys):
     assert main(["bench", "--model", str(tmp_path), "--new-tokens", "1"]) == 2
     assert "--new-tokens" in capsys.readouterr().err
     assert main(["bench", "--model", str(tmp_path), "--paths", "fast"]) == 2
+
+
+def test_bench_serve_smoke(tmp_path, capsys):
+    """`forklm bench-serve` end to end: every config runs the workload, hit rates are sane."""
+    model = make_tiny_model(tmp_path / "tiny")
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    rc = main(["bench-serve", "--model", str(model), "--systems", "2", "--system-tokens", "64", "--users", "3",
+               "--user-tokens", "16", "-n", "2", "--new-tokens", "3", "--arrival-s", "0.2",
+               "--memory-gib", "0.05", "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert list(runs) == ["all-on", "no-shared-attn", "no-radix", "fcfs", "all-off"]
+    for r in runs.values():
+        assert r["generated_tokens"] == 2 * 3 * 2 * 3 and r["blocks_in_use_after"] == 0
+    best = doc["meta"]["best_hit_rate"]
+    assert 0 < best < 1
+    assert runs["no-radix"]["prefix_hit_rate"] == runs["all-off"]["prefix_hit_rate"] == 0
+    assert 0 < runs["all-on"]["prefix_hit_rate"] <= best + 1e-9
+    assert doc["ttft_probe"]["ttft_cached_s"] > 0
+    assert png.stat().st_size > 0
+    assert "| all-on |" in capsys.readouterr().out
