@@ -114,3 +114,21 @@ def test_counter_uniform_depends_only_on_its_triple():
 def test_bad_sampling_params_name_the_argument(kwargs, name):
     with pytest.raises(InvalidArgumentError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_top_p_draw_does_not_depend_on_the_batch():
+    """A peaked row drawn alone or next to near-uniform rows (which need a full sort) gets the
+    same token for every uniform: each row settles at its own nucleus width."""
+    gen = torch.Generator().manual_seed(4)
+    peaked = torch.randn(1, 5000, generator=gen) * 6
+    flat = torch.randn(3, 5000, generator=gen) * 0.01
+    for i in range(50):
+        u = torch.rand(4, generator=gen, dtype=torch.float64)
+        alone = sample_tokens(peaked, 0.9, 0, 0.9, u[:1])
+        batched = sample_tokens(torch.cat([flat[:2], peaked, flat[2:]]), 0.9, 0, 0.9, u[[1, 2, 0, 3]])
+        assert batched[2] == alone[0]
+    from forklm.sampling.sampler import nucleus_groups
+
+    probs = torch.softmax(torch.cat([flat[:2], peaked, flat[2:]]) / 0.9, dim=-1)
+    widths = {int(r): ids.shape[1] for rows, _, ids in nucleus_groups(probs, 0.9) for r in rows}
+    assert widths[2] == 64 and widths[0] == widths[1] == widths[3] == 5000

@@ -3,7 +3,8 @@
 Order (as in Hugging Face's logits processors): temperature, then top-k, then top-p, then one
 inverse-CDF draw per row from a counter-based uniform (see seeds.py). A full sort of the
 vocabulary is slow on a CPU (~125 ms for 64 × 49k), so top-p first looks for the nucleus among
-the largest few probabilities and sorts the whole row only when the nucleus is wider.
+the largest few probabilities and sorts the whole row only when the nucleus is wider; each row
+settles at its own width, so a row's draw does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def filtered_candidates(
         return probs, ids
     if top_p >= 1.0:
         return probs, None
-    return _nucleus(probs, top_p)
+    dense = torch.zeros_like(probs)  # each row's nucleus as weights over the whole vocabulary
+    for rows, weights, ids in nucleus_groups(probs, top_p):
+        dense[rows] = dense[rows].scatter(1, ids, weights)
+    return dense, None
 
 
 def _nucleus_of_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -52,17 +56,31 @@ def _nucleus_of_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor
     return sorted_probs.masked_fill(before >= top_p, 0.0)
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p over a full vocabulary: probe the largest k probabilities, widening as needed."""
+def nucleus_groups(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Top-p over a full vocabulary as groups (rows, weights [r, C], ids [r, C]), sorted descending.
+
+    Each row settles at the narrowest probe width (64, 1024, then a full sort) whose largest
+    probabilities reach top_p, so its candidates, and hence its draw, never depend on the other
+    rows of the batch (the sampler is batch-invariant).
+    """
     b, V = probs.shape
-    for k in _NUCLEUS_PROBES:
+    rows = torch.arange(b, device=probs.device)
+    groups = []
+    for k in _NUCLEUS_PROBES + (V,):
+        sub = probs if rows.numel() == b else probs.index_select(0, rows)
         if k >= V:
-            break
-        vals, ids = torch.topk(probs, k, dim=-1)
-        if bool((vals.sum(-1) >= top_p).all()):
-            return _nucleus_of_sorted(vals, top_p), ids
-    vals, ids = torch.sort(probs, dim=-1, descending=True)
-    return _nucleus_of_sorted(vals, top_p), ids
+            vals, ids = torch.sort(sub, dim=-1, descending=True)
+            ok = torch.ones(rows.numel(), dtype=torch.bool, device=probs.device)
+        else:
+            vals, ids = torch.topk(sub, k, dim=-1)  # sorted descending
+            ok = vals.sum(-1) >= top_p
+        if bool(ok.all()):
+            groups.append((rows, _nucleus_of_sorted(vals, top_p), ids))
+            return groups
+        if bool(ok.any()):
+            groups.append((rows[ok], _nucleus_of_sorted(vals[ok], top_p), ids[ok]))
+        rows = rows[~ok]
+    return groups
 
 
 def draw_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -107,6 +125,13 @@ def sample_tokens(
 ) -> torch.Tensor:  # [b] int64 token ids
     if temperature == 0:
         return logits.argmax(dim=-1)
+    if top_p < 1.0 and not (top_k and top_k < logits.shape[-1]):
+        probs = torch.softmax(logits / temperature, dim=-1)
+        out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        for rows, weights, ids in nucleus_groups(probs, top_p):
+            j = draw_inverse_cdf(weights, u[rows.cpu()])
+            out[rows] = ids.gather(1, j.unsqueeze(1)).squeeze(1)
+        return out
     weights, ids = filtered_candidates(logits, temperature, top_k, top_p)
     j = draw_inverse_cdf(weights, u)
     return j if ids is None else ids.gather(1, j.unsqueeze(1)).squeeze(1)
