@@ -158,8 +158,7 @@ class LLM:
             engine.run()
         except BaseException:
             for st in states:
-                engine.cancel(st.request_id)
-            engine.step()  # releases the cancelled requests' blocks
+                engine.abort(st.request_id)  # releases their blocks now
             raise
         return [st.output for st in states]
 

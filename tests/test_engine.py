@@ -216,3 +216,25 @@ def test_generate_bad_input(smollm2_f32):
         llm.engine(block_size=0)
     assert llm.default_engine().blocks_in_use() == 0
     assert llm.generate([dict(prompt="x", max_tokens=2, seed=1)])[0].samples[0].token_ids
+
+
+def test_generate_failure_releases_blocks(smollm2_f32, monkeypatch):
+    llm = smollm2_f32
+    engine = llm.default_engine()
+    real_forward = llm.model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.model, "forward", flaky)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate([dict(prompt=CODE, n=3, max_tokens=8, seed=1), dict(prompt=SYSTEM, n=2, max_tokens=8, seed=2)])
+    assert engine.blocks_in_use() == 0 and not engine.has_unfinished()
+    engine.check_integrity()
+    monkeypatch.setattr(llm.model, "forward", real_forward)
+    out = llm.generate([dict(prompt=CODE, n=2, max_tokens=4, seed=1)])
+    assert out[0].samples[0].token_ids == llm.sample(CODE, n=2, max_tokens=4, seed=1).samples[0].token_ids
