@@ -28,3 +28,17 @@ def smollm2_f32(smollm2_gguf):
     from forklm import LLM
 
     return LLM("smollm2-135m", dtype="float32", device="cpu")
+
+
+def fail_forward_call(monkeypatch, model, call: int) -> None:
+    """Makes the `call`-th model.forward from now raise RuntimeError("injected failure")."""
+    real_forward = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise RuntimeError("injected failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)

@@ -8,6 +8,8 @@ import pytest
 from forklm import InvalidArgumentError, Request
 from forklm.engine.request import Status
 
+from conftest import fail_forward_call
+
 CODE = "def merge_sorted(a, b):\n    "
 SYSTEM = "You are a careful Python reviewer. Answer briefly and precisely, with code when useful.\n"
 
@@ -222,15 +224,7 @@ def test_generate_failure_releases_blocks(smollm2_f32, monkeypatch):
     llm = smollm2_f32
     engine = llm.default_engine()
     real_forward = llm.model.forward
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected failure")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(llm.model, "forward", flaky)
+    fail_forward_call(monkeypatch, llm.model, 3)
     with pytest.raises(RuntimeError, match="injected failure"):
         llm.generate([dict(prompt=CODE, n=3, max_tokens=8, seed=1), dict(prompt=SYSTEM, n=2, max_tokens=8, seed=2)])
     assert engine.blocks_in_use() == 0 and not engine.has_unfinished()

@@ -9,6 +9,8 @@ import pytest
 from forklm import InvalidArgumentError, Request
 from forklm.engine.loop import EngineLoop, EngineLoopClosed
 
+from conftest import fail_forward_call
+
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "# sort a list\n", "import os\n"]
 
 
@@ -91,17 +93,7 @@ def test_bad_input_raises_at_submit_and_loop_survives(smollm2_f32, loop):
 
 def test_failed_step_fails_requests_not_the_loop(smollm2_f32, loop, monkeypatch):
     llm = smollm2_f32
-    model = loop.engine.model
-    real_forward = model.forward
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected failure")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", flaky)
+    fail_forward_call(monkeypatch, loop.engine.model, 2)
     stream = loop.submit(llm.prompt_token_ids(PROMPTS[0]), Request("x", n=2, max_tokens=20, seed=0).params())
     with pytest.raises(RuntimeError, match="injected failure"):
         stream.result(60)

@@ -1,6 +1,5 @@
 """Random-weight checkpoints written by transformers' save_pretrained: forklm's logits == transformers'."""
 
-import json
 from pathlib import Path
 
 import pytest

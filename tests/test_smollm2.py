@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from forklm import LLM
 from forklm.attention.forked import DecodeAttention, PrefillAttention
 from forklm.cache.forked_kv import ForkedKVCache
 

@@ -268,10 +268,10 @@ class Engine:
                 req.running.append(seq)
                 add_chunk(seq)
         # (d) admit waiting requests
-        for req in self._admission_order():
+        for req, cached in self._admission_order():
             if budget <= 0:
                 break
-            if self._defer(req):
+            if self._defer(req, cached):
                 continue
             if not self._admit(req):
                 continue
@@ -280,23 +280,25 @@ class Engine:
             req.waited_steps += 1
         return decode, chunks
 
-    def _admission_order(self) -> list[RequestState]:
+    def _admission_order(self) -> list[tuple[RequestState, int | None]]:
+        """Waiting requests in admission order, with their cached prefix length where it was looked up."""
         if self.config.schedule == "fcfs" or not self.config.prefix_cache:
-            return sorted(self.waiting, key=lambda r: r.arrival)
+            return [(r, None) for r in sorted(self.waiting, key=lambda r: r.arrival)]
         aged = sorted((r for r in self.waiting if r.waited_steps >= self.config.max_wait_steps), key=lambda r: r.arrival)
         rest = [r for r in self.waiting if r.waited_steps < self.config.max_wait_steps]
         matched = {id(r): self.radix.match_prefix(r.prompt_ids).num_tokens for r in rest}
         rest.sort(key=lambda r: (-matched[id(r)], r.arrival))
-        return aged + rest
+        return [(r, None) for r in aged] + [(r, matched[id(r)]) for r in rest]
 
-    def _defer(self, req: RequestState) -> bool:
+    def _defer(self, req: RequestState, cached: int | None) -> bool:
         """Waits for an in-flight prefill of the same uncached prefix (then hits the cache)."""
         if not (self.config.defer_shared_prefill and self.config.prefix_cache):
             return False
         if req.waited_steps >= self.config.max_wait_steps:
             return False
         bs = self.block_size
-        cached = self.radix.match_prefix(req.prompt_ids).num_tokens
+        if cached is None:
+            cached = self.radix.match_prefix(req.prompt_ids).num_tokens
         for other in self.active:
             if other.status is not Status.PREFILLING:
                 continue
