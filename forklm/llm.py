@@ -35,6 +35,7 @@ class Request:
     stop_token_ids: Sequence[int] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    top_logprobs: int = 0  # record this many most likely alternatives per token (0..20)
 
     @classmethod
     def from_any(cls, spec: Any, position: int = 0) -> "Request":
@@ -62,6 +63,7 @@ class Request:
             stop=tuple([self.stop] if isinstance(self.stop, str) else (self.stop or ())),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            top_logprobs=self.top_logprobs,
         )
 
 
@@ -128,10 +130,12 @@ class LLM:
         stop_token_ids: Sequence[int] | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
+        top_logprobs: int = 0,
         attention: str = "auto",
     ) -> SampleOutput:
         """Draws n samples of one prompt; the prompt is prefilled once and its KV read once per step."""
-        req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos)
+        req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos,
+                      top_logprobs)
         params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
         self.check_fits(len(prompt_ids), params)

@@ -14,6 +14,8 @@ class Sample:
     logprobs: list[float]  # the model's log-softmax of each chosen token (before temperature etc.)
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    # per token, the `top_logprobs` most likely (token id, model log-prob), when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -27,6 +29,7 @@ class Sample:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the engine's prefix cache
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0

@@ -91,6 +91,7 @@ class Tokenizer:
         ends = [eos_id] + [backend.token_to_id(t) for t in _END_TOKENS]
         ends = [i for i in ends if i is not None and (i == eos_id or i in specials)]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ends))
+        self._bytes_of: list[bytes] | None = None  # token id -> bytes, built on first use
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -199,6 +200,14 @@ class Tokenizer:
             raise InvalidArgumentError(f"id: {i} is not a token id (vocabulary has {self.vocab_size})")
         return t
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for in decoded text (a piece of a UTF-8 character, possibly)."""
+        if self._bytes_of is None:
+            self._bytes_of = _token_byte_table(self._tok, self.vocab_size)
+        if not 0 <= int(i) < len(self._bytes_of):
+            raise InvalidArgumentError(f"id: {i} is not a token id (vocabulary has {self.vocab_size})")
+        return self._bytes_of[int(i)]
+
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -217,6 +226,27 @@ class Tokenizer:
                                    **self._template_tokens)
         except jinja2.TemplateError as e:  # raise_exception(...) inside the template, e.g. roles must alternate
             raise InvalidArgumentError(f"chat template rejected the messages: {e}") from None
+
+
+def _token_byte_table(backend: _Backend, size: int) -> list[bytes]:
+    """Each token's bytes: byte-level vocabularies spell bytes in GPT-2's alphabet; SentencePiece
+    ones use \u2581 for spaces and <0xXX> for raw bytes; added tokens stand for their own text."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    byte_level = '"ByteLevel"' in json.dumps(decoder)
+    inverse = {c: b for b, c in _byte_alphabet().items()}
+    added = {i for i in backend.get_added_tokens_decoder()}
+    table = []
+    for i in range(size):
+        t = backend.id_to_token(i) or ""
+        if i in added:
+            table.append(t.encode("utf-8"))
+        elif byte_level and all(c in inverse for c in t):
+            table.append(bytes(inverse[c] for c in t))
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            table.append(bytes([int(t[3:5], 16)]))
+        else:
+            table.append(t.replace("\u2581", " ").encode("utf-8"))
+    return table
 
 
 def _raise_exception(message: str) -> None:

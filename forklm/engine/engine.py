@@ -552,7 +552,11 @@ class Engine:
                     counted.add(id(r))
                     r.stats.steps += 1
             for st, r, fin in zip(states, owner, done):
-                event = TokenEvent(r.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if fin else None)
+                event = TokenEvent(
+                    r.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if fin else None,
+                    top_logprobs=st.top_logprobs[-1] if st.top_logprobs else None,
+                    sample=to_sample(st, self.decode) if fin else None,
+                )
                 self._emit(r, event)
             for seq, fin in zip(seqs, done):
                 if seq is not None and fin:
@@ -627,6 +631,7 @@ class Engine:
         first = req.first_token_time if req.first_token_time is not None else now
         req.stats.prefill_s = first - req.submit_time  # time to first token, queueing included
         req.stats.decode_s = now - first
+        req.stats.cached_prompt_tokens = req.cached_tokens
         out = SampleOutput(
             prompt_token_ids=list(req.prompt_ids),
             samples=[to_sample(st, self.decode) for st in req.samples],

@@ -19,7 +19,8 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from forklm.engine.engine import Engine
 from forklm.engine.request import TokenEvent
@@ -44,6 +45,7 @@ class RequestStream:
         self.output: SampleOutput | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self._wants_tokens = True
 
     # called on the loop thread
     def _push(self, event: TokenEvent) -> None:
@@ -68,12 +70,16 @@ class RequestStream:
                 return
             yield event
 
-    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+    def _attach(self) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:  # events that arrived before we attached, then live ones
             for ev in self._backlog:
                 q.put_nowait(ev)
             self._aio = (asyncio.get_running_loop(), q)
+        return q
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        q = self._attach()
         while True:
             event = await q.get()
             if event.done:
@@ -81,6 +87,27 @@ class RequestStream:
                     raise event.error
                 return
             yield event
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """Token events in lists of whatever has arrived (one engine step's, typically)."""
+        q = self._attach()
+        while True:
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            tokens = [e for e in batch if not e.done]
+            if tokens:
+                yield tokens
+            if len(tokens) < len(batch):
+                if self.error is not None:
+                    raise self.error
+                return
+
+    async def wait(self) -> SampleOutput:
+        """The result, awaited from a coroutine."""
+        async for _ in self.batches():
+            pass
+        return self.output
 
     def result(self, timeout: float | None = None) -> SampleOutput:
         if not self._done.wait(timeout):
@@ -95,8 +122,18 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, name: str = "forklm-engine") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        name: str = "forklm-engine",
+        on_step: Callable[[Engine, float], None] | None = None,
+        on_done: Callable[[TokenEvent], None] | None = None,
+    ) -> None:
+        """Hooks, run on the loop thread: on_step(engine, seconds) after every step, on_done(event)
+        with every request's final event (output or error), however it ended."""
         self.engine = engine
+        self.on_step = on_step
+        self.on_done = on_done
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._closed = False
@@ -104,13 +141,17 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queues a request; raises InvalidArgumentError at once if it can never run."""
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, events: bool = True
+    ) -> RequestStream:
+        """Queues a request; raises InvalidArgumentError at once if it can never run.
+        events=False: the stream receives only the final event (less overhead when nobody streams)."""
         if self._closed:
             raise EngineLoopClosed("the engine loop is closed")
         self.engine.validate_request(prompt_ids, params)
         rid = request_id if request_id is not None else f"loop-{next(self._ids)}"
         stream = RequestStream(rid)
+        stream._wants_tokens = events
         self._inbox.put(("add", list(prompt_ids), params, stream))
         self._wake.set()
         return stream
@@ -136,10 +177,16 @@ class EngineLoop:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            t0 = time.perf_counter()
             try:
                 engine.step()
             except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
                 self._fail_all(exc)
+            if self.on_step is not None:
+                try:
+                    self.on_step(engine, time.perf_counter() - t0)
+                except Exception:  # noqa: BLE001 - an observer must not stop the engine
+                    self.on_step = None
         self._fail_all(EngineLoopClosed("the engine loop was closed"))
 
     def _drain_inbox(self) -> bool:
@@ -154,10 +201,23 @@ class EngineLoop:
                 self.engine.cancel(item[1])
                 continue
             _, prompt_ids, params, stream = item
+            deliver = self._deliver(stream)
             try:
-                self.engine.add_request(prompt_ids, params, stream.request_id, on_event=stream._push)
+                self.engine.add_request(prompt_ids, params, stream.request_id, on_event=deliver)
             except InvalidArgumentError as exc:
-                stream._push(TokenEvent(stream.request_id, done=True, error=exc))
+                deliver(TokenEvent(stream.request_id, done=True, error=exc))
+
+    def _deliver(self, stream: RequestStream) -> Callable[[TokenEvent], None]:
+        def deliver(event: TokenEvent) -> None:
+            if event.done or stream._wants_tokens:
+                stream._push(event)
+            if event.done and self.on_done is not None:
+                try:
+                    self.on_done(event)
+                except Exception:  # noqa: BLE001 - an observer must not stop the engine
+                    self.on_done = None
+
+        return deliver
 
     def _fail_all(self, exc: BaseException) -> None:
         """Ends every request in flight with `exc`, releasing its blocks."""

@@ -49,6 +49,8 @@ class TokenEvent:
     token_id: int = -1
     logprob: float = 0.0
     finish_reason: str | None = None  # set on a sample's last token
+    top_logprobs: list[tuple[int, float]] | None = None  # this token's alternatives, when asked for
+    sample: Any = None  # the finished `Sample` (its final text), on a sample's last token
     done: bool = False  # the request finished: `output` holds the whole result
     output: Any = None  # SampleOutput, when done
     error: BaseException | None = None

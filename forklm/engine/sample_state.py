@@ -20,12 +20,13 @@ from forklm.sampling.seeds import counter_uniform
 class SampleState:
     """One sample while it runs: its tokens, log-probs and why it ended (once it has)."""
 
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "stop_reason", "text", "checked")
+    __slots__ = ("index", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "text", "checked")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None  # when params.top_logprobs > 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text: str | None = None  # set when a stop string cut it
@@ -87,7 +88,24 @@ def draw_rows(
     for st, tok, lp in zip(states, tokens_list, lps_list):
         st.token_ids.append(tok)
         st.logprobs.append(lp)
+    _record_top_logprobs(logits, states, params)
     return tokens_list, lps_list
+
+
+def _record_top_logprobs(logits: torch.Tensor, states: Sequence[SampleState], params: Sequence[SamplingParams]) -> None:
+    """Appends each asking row's most likely tokens (model log-softmax, before temperature etc.)."""
+    rows = [r for r, p in enumerate(params) if p.top_logprobs > 0]
+    if not rows:
+        return
+    k = max(params[r].top_logprobs for r in rows)
+    sub = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+    values, ids = torch.topk(sub, k, dim=-1)
+    values = values - torch.logsumexp(sub, dim=-1, keepdim=True)
+    for r, vals, toks in zip(rows, values.tolist(), ids.tolist()):
+        st, kr = states[r], params[r].top_logprobs
+        if st.top_logprobs is None:
+            st.top_logprobs = []
+        st.top_logprobs.append(list(zip(toks[:kr], vals[:kr])))
 
 
 def check_finished(
@@ -130,4 +148,5 @@ def to_sample(st: SampleState, decode: Callable[[list[int]], str]) -> Sample:
         if st.finish_reason == "stop" and isinstance(st.stop_reason, int):
             ids_for_text = ids_for_text[:-1]  # the stop token is not part of the text
         text = decode(ids_for_text)
-    return Sample(st.index, text, st.token_ids, st.logprobs, st.finish_reason or "length", st.stop_reason)
+    return Sample(st.index, text, st.token_ids, st.logprobs, st.finish_reason or "length", st.stop_reason,
+                  st.top_logprobs)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from forklm.errors import InvalidArgumentError
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,6 +21,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # alternatives recorded per token (the most likely, by the model's log-softmax)
     attention: str = "auto"  # "auto" | "bifurcated" | "standard"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -50,6 +53,8 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.attention not in ("auto", "bifurcated", "standard"):
             raise bad("attention", self.attention, "one of 'auto', 'bifurcated', 'standard'")
 

@@ -1,0 +1,1 @@
+"""forklm's OpenAI-compatible HTTP server (`forklm serve`): FastAPI on uvicorn over an `EngineLoop`."""

@@ -1,0 +1,539 @@
+"""The OpenAI-compatible HTTP API over one `EngineLoop`.
+
+    app = create_app(LLM("smollm2-135m"), ServerConfig(model_name="smollm2-135m"))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
+GET /health, GET /metrics (Prometheus). Bodies are read and parsed here (size limit, strict
+UTF-8 and JSON, pydantic validation) so that every bad request gets OpenAI's error shape and a
+4xx status, never a 500. One HTTP request becomes one engine request per prompt; its n choices
+are that request's samples, sharing its prompt KV. A client that disconnects cancels its engine
+requests; the engine releases their blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forklm.engine.loop import EngineLoop, EngineLoopClosed, RequestStream
+from forklm.engine.request import TokenEvent
+from forklm.errors import InvalidArgumentError
+from forklm.llm import LLM
+from forklm.outputs import Sample, SampleOutput
+from forklm.sampling.params import SamplingParams
+from forklm.server.errors import APIError, invalid, param_of_message
+from forklm.server.metrics import ServerMetrics
+from forklm.server.protocol import ChatBody, CompletionBody, parse_body
+from forklm.server.text_stream import SampleTextStream
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the name clients pass as `model`
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_body_bytes: int = 4 * 2**20  # larger bodies get 413
+    max_requests: int = 1024  # engine requests in flight (one per prompt); more get 503
+    retry_after_s: int = 1  # Retry-After of a 503
+    engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+
+
+@dataclass
+class _Job:
+    """One engine request: one prompt of an HTTP request, with its n (or best_of) samples."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream | None = None
+
+
+class _Server:
+    def __init__(self, llm: LLM, config: ServerConfig) -> None:
+        self.llm = llm
+        self.config = config
+        self.engine = llm.engine(**config.engine_options)
+        self.metrics = ServerMetrics(self.engine)
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self.loop = EngineLoop(self.engine, on_step=self.metrics.on_step, on_done=self._on_done)
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _on_done(self, event: TokenEvent) -> None:  # the loop thread
+        with self._lock:
+            self._in_flight -= 1
+            self.metrics.in_flight.set(self._in_flight)
+        if event.output is not None:
+            self.metrics.finished(event.output)
+
+    def submit(self, jobs: list[_Job], stream_tokens: bool, request_id: str) -> None:
+        with self._lock:
+            if self._in_flight + len(jobs) > self.config.max_requests:
+                raise APIError(
+                    503, f"the server is at its limit of {self.config.max_requests} requests in flight; retry later",
+                    type="server_overloaded", code="queue_full",
+                    headers={"Retry-After": str(self.config.retry_after_s)},
+                )
+            self._in_flight += len(jobs)
+            self.metrics.in_flight.set(self._in_flight)
+        for k, job in enumerate(jobs):
+            try:
+                job.stream = self.loop.submit(job.prompt_ids, job.params, f"{request_id}-{k}", events=stream_tokens)
+            except (InvalidArgumentError, EngineLoopClosed) as exc:
+                with self._lock:  # this job and the ones after it never reached the loop
+                    self._in_flight -= len(jobs) - k
+                    self.metrics.in_flight.set(self._in_flight)
+                self.cancel(jobs)
+                if isinstance(exc, EngineLoopClosed):
+                    raise APIError(503, "the server is shutting down", type="server_error") from None
+                raise _argument_error(exc, "messages" if request_id.startswith("chatcmpl") else "prompt") from None
+
+    def cancel(self, jobs: list[_Job]) -> None:
+        for job in jobs:
+            if job.stream is not None and not job.stream.done:
+                self.loop.cancel(job.stream.request_id)
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text; a piece of a UTF-8 character as "bytes:\\xNN" (OpenAI's convention)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            raw = self.llm.tokenizer.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_text[token_id] = text
+        return text
+
+    # ------------------------------------------------------------------ request -> jobs
+    def jobs_for(self, body: CompletionBody | ChatBody) -> list[_Job]:
+        llm = self.llm
+        if isinstance(body, ChatBody):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                prompts = [llm.prompt_token_ids(messages)]
+            except InvalidArgumentError as exc:
+                raise invalid(str(exc), param="messages") from None
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
+            n_samples = body.n
+        else:
+            p = body.prompt
+            items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+            prompts = []
+            for i, item in enumerate(items):
+                try:
+                    prompts.append(llm.prompt_token_ids(item))
+                except InvalidArgumentError as exc:
+                    raise invalid(str(exc), param="prompt" if len(items) == 1 else f"prompt[{i}]") from None
+            max_tokens = body.max_tokens
+            top_logprobs = body.logprobs or 0
+            n_samples = body.best_of or body.n
+        jobs = []
+        for ids in prompts:
+            room = self.room_for(len(ids))
+            if room < 1:
+                raise invalid(
+                    f"the prompt has {len(ids)} tokens, which leaves no room to generate in the model's context of "
+                    f"{llm.config.max_position_embeddings} tokens",
+                    param="messages" if isinstance(body, ChatBody) else "prompt", code="context_length_exceeded",
+                )
+            try:
+                params = SamplingParams(
+                    n=n_samples,
+                    max_tokens=max_tokens if max_tokens is not None else room,
+                    min_tokens=body.min_tokens,
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    top_k=body.top_k,
+                    seed=body.seed,
+                    stop=tuple([body.stop] if isinstance(body.stop, str) else (body.stop or ())),
+                    stop_token_ids=tuple(body.stop_token_ids or ()),
+                    ignore_eos=body.ignore_eos,
+                    top_logprobs=top_logprobs,
+                )
+            except InvalidArgumentError as exc:
+                raise invalid(str(exc), param=param_of_message(str(exc))) from None
+            jobs.append(_Job(ids, params))
+        return jobs
+
+    def room_for(self, prompt_len: int) -> int:
+        """Tokens a sample of this prompt may generate: the context's rest, within the KV pool."""
+        cfg, bs = self.llm.config, self.engine.block_size
+        room = cfg.max_position_embeddings - prompt_len
+        pool_tokens = (self.engine.pool.num_blocks - -(-prompt_len // bs)) * bs - prompt_len % bs
+        return min(room, pool_tokens)
+
+    # ------------------------------------------------------------------ responses
+    def completion_logprobs(self, sample_ids: list[int], lps: list[float], tops: list | None, k: int,
+                            offset: int = 0) -> dict:
+        tokens = [self.token_text(t) for t in sample_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        top = []
+        for i, (t, lp) in enumerate(zip(tokens, lps)):
+            alts = {self.token_text(a): v for a, v in (tops[i] if tops else [])[:k]}
+            alts.setdefault(t, lp)
+            top.append(alts)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+    def chat_logprobs(self, sample_ids: list[int], lps: list[float], tops: list | None, k: int) -> list[dict]:
+        out = []
+        for i, (t, lp) in enumerate(zip(sample_ids, lps)):
+            alts = (tops[i] if tops else [])[:k]
+            out.append({
+                **self._chat_token(t, lp),
+                "top_logprobs": [self._chat_token(a, v) for a, v in alts],
+            })
+        return out
+
+    def _chat_token(self, token_id: int, lp: float) -> dict:
+        return {"token": self.token_text(token_id), "logprob": lp,
+                "bytes": list(self.llm.tokenizer.token_bytes(token_id))}
+
+
+def _argument_error(exc: InvalidArgumentError, prompt_param: str) -> APIError:
+    msg = str(exc)
+    if "context length" in msg:
+        return invalid(msg, param=prompt_param, code="context_length_exceeded")
+    if "KV blocks" in msg:
+        return invalid(msg, param="max_tokens", code="request_too_large")
+    return invalid(msg, param=param_of_message(msg))
+
+
+def _choices_of(body: CompletionBody | ChatBody, output: SampleOutput) -> list[Sample]:
+    """The samples to return, in order: all; the n best of best_of; or ranked and de-duplicated."""
+    samples = output.samples
+    if body.rank:
+        return output.ranked(body.n)
+    if isinstance(body, CompletionBody) and body.best_of and body.best_of > body.n:
+        return sorted(samples, key=lambda s: (-s.mean_logprob, s.index))[: body.n]
+    return samples
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _usage(outputs: list[SampleOutput]) -> dict:
+    prompt = sum(o.stats.prompt_tokens for o in outputs)
+    completion = sum(len(s.token_ids) for o in outputs for s in o.samples)
+    cached = sum(o.stats.cached_prompt_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > 16 * limit:
+        raise APIError(413, f"request body of {length} bytes is over the limit of {limit} bytes",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:  # read to the end so the client sees our answer, not a reset connection
+        raise APIError(413, f"request body of {size} bytes is over the limit of {limit} bytes",
+                       code="request_too_large")
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(text, parse_constant=no_constants)
+    except ValueError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+
+
+async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
+    """Waits for the client to go away (the body is read already, so only that can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
+    server: _Server | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal server
+        server = _Server(llm, config)
+        app.state.server = server
+        try:
+            yield
+        finally:
+            server.loop.close()
+
+    app = FastAPI(title="forklm", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of forklm: many samples from one context.")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail), type="invalid_request_error",
+                       code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def check_auth(request: Request) -> None:
+        key = config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect API key provided." if given else "Missing API key: send "
+                           "'Authorization: Bearer <key>'.", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != config.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{config.model_name}`.",
+                           param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = server is not None and server.loop._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": server.created, "owned_by": "forklm",
+                "max_model_len": llm.config.max_position_embeddings}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> JSONResponse:
+        check_auth(request)
+        check_model(model_id)
+        return JSONResponse(model_card())
+
+    async def handle(request: Request, kind: str) -> Response:
+        status = 500
+        try:
+            check_auth(request)
+            data = await _read_json(request, config.max_body_bytes)
+            body = parse_body(ChatBody if kind == "chat" else CompletionBody, data)
+            check_model(body.model)
+            jobs = server.jobs_for(body)
+            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            server.submit(jobs, stream_tokens=body.stream, request_id=rid)
+            response = _Responder(server, body, jobs, rid, kind, request)
+            status = 200
+            if body.stream:
+                return StreamingResponse(response.stream(), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return JSONResponse(await response.complete())
+        except APIError as exc:
+            status = exc.status
+            raise
+        finally:
+            server.metrics.requests.labels(kind, str(status)).inc()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat")
+
+    return app
+
+
+class _Responder:
+    """Turns the engine requests of one HTTP request into OpenAI's response or chunk stream."""
+
+    def __init__(self, server: _Server, body: CompletionBody | ChatBody, jobs: list[_Job], rid: str, kind: str,
+                 request: Request) -> None:
+        self.server, self.body, self.jobs, self.rid, self.kind, self.request = server, body, jobs, rid, kind, request
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.chat = kind == "chat"
+        self.k = (body.top_logprobs or 0) if self.chat else (body.logprobs or 0)
+        self.want_logprobs = body.logprobs if self.chat else body.logprobs is not None
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.body.model}
+
+    async def _guarded(self, work):
+        """Runs `work` while watching for a disconnect; cancels the engine requests if it ends early."""
+        watcher = asyncio.create_task(_watch_disconnect(self.request, lambda: self.server.cancel(self.jobs)))
+        try:
+            return await work
+        finally:
+            watcher.cancel()
+            self.server.cancel(self.jobs)  # no-op for finished ones
+
+    # ------------------------------------------------------------------ whole response
+    async def complete(self) -> dict:
+        outputs = await self._guarded(self._gather())
+        metrics = self.server.metrics
+        now = time.perf_counter()
+        metrics.e2e.observe(now - self.arrival)
+        firsts = [o.stats.prefill_s for o in outputs]
+        if firsts:
+            metrics.ttft.observe(min(firsts))
+        n = self.body.n
+        choices = []
+        for p, out in enumerate(outputs):
+            for j, s in enumerate(_choices_of(self.body, out)):
+                choices.append(self._choice(p * n + j, s))
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": _usage(outputs)}
+
+    async def _gather(self) -> list[SampleOutput]:
+        try:
+            return list(await asyncio.gather(*(job.stream.wait() for job in self.jobs)))
+        except InvalidArgumentError as exc:
+            raise _argument_error(exc, "messages" if self.chat else "prompt") from None
+        except EngineLoopClosed:
+            raise APIError(503, "the server is shutting down", type="server_error") from None
+        except Exception as exc:  # noqa: BLE001 - a failed engine step: report it, keep serving
+            raise APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type="server_error") from None
+
+    def _choice(self, index: int, s: Sample) -> dict:
+        srv = self.server
+        if self.chat:
+            lp = {"content": srv.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs, self.k)} \
+                if self.want_logprobs else None
+            return {"index": index, "message": {"role": "assistant", "content": s.text}, "logprobs": lp,
+                    "finish_reason": s.finish_reason, "mean_logprob": _finite(s.mean_logprob)}
+        lp = srv.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, self.k) if self.want_logprobs else None
+        return {"index": index, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason,
+                "mean_logprob": _finite(s.mean_logprob)}
+
+    # ------------------------------------------------------------------ server-sent events
+    async def stream(self) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, job: _Job) -> None:
+            try:
+                async for batch in job.stream.batches():
+                    queue.put_nowait((p, batch, None))
+                queue.put_nowait((p, None, None))
+            except Exception as exc:  # noqa: BLE001 - reported in the stream
+                queue.put_nowait((p, None, exc))
+
+        n = self.body.n
+        texts = {(p, i): SampleTextStream(self.server.llm.tokenizer.decode, job.params.stop)
+                 for p, job in enumerate(self.jobs) for i in range(n)}
+        offsets = {key: 0 for key in texts}
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        tasks = [asyncio.create_task(pump(p, job)) for p, job in enumerate(self.jobs)]
+        watcher = asyncio.create_task(_watch_disconnect(self.request, lambda: self.server.cancel(self.jobs)))
+        first = True
+        try:
+            if self.chat:  # the role comes first, once per choice
+                yield _sse({**self._head(obj), "choices": [
+                    {"index": p * n + i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for p in range(len(self.jobs)) for i in range(n)],
+                    **({"usage": None} if include_usage else {})})
+            remaining = len(self.jobs)
+            while remaining:
+                p, batch, error = await queue.get()
+                if error is not None:
+                    err = _error_of(error, self.chat)
+                    yield _sse(err.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                if batch is None:
+                    remaining -= 1
+                    continue
+                if first:
+                    self.server.metrics.ttft.observe(time.perf_counter() - self.arrival)
+                    first = False
+                choices = self._chunk_choices(p, batch, texts, offsets)
+                if choices:
+                    yield _sse({**self._head(obj), "choices": choices, **({"usage": None} if include_usage else {})})
+            self.server.metrics.e2e.observe(time.perf_counter() - self.arrival)
+            if include_usage:
+                yield _sse({**self._head(obj), "choices": [], "usage": _usage([j.stream.output for j in self.jobs])})
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()
+            self.server.cancel(self.jobs)
+
+    def _chunk_choices(self, p: int, batch: list[TokenEvent], texts: dict, offsets: dict) -> list[dict]:
+        srv, n = self.server, self.body.n
+        per_choice: dict[int, list[TokenEvent]] = {}
+        for ev in batch:
+            per_choice.setdefault(ev.sample_index, []).append(ev)
+        choices = []
+        for i, events in sorted(per_choice.items()):
+            key = (p, i)
+            piece, finish = "", None
+            for ev in events:
+                if ev.finish_reason is not None:
+                    piece += texts[key].finish(ev.sample.text)
+                    finish = ev.finish_reason
+                else:
+                    piece += texts[key].push(ev.token_id)
+            ids = [ev.token_id for ev in events]
+            lps = [ev.logprob for ev in events]
+            tops = [ev.top_logprobs or [] for ev in events]
+            if self.chat:
+                lp = {"content": srv.chat_logprobs(ids, lps, tops, self.k)} if self.want_logprobs else None
+                delta = {"content": piece} if piece else {}
+                choices.append({"index": p * n + i, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            else:
+                lp = None
+                if self.want_logprobs:
+                    lp = srv.completion_logprobs(ids, lps, tops, self.k, offsets[key])
+                    offsets[key] += sum(len(t) for t in lp["tokens"])
+                choices.append({"index": p * n + i, "text": piece, "logprobs": lp, "finish_reason": finish})
+        return choices
+
+
+def _error_of(exc: BaseException, chat: bool) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidArgumentError):
+        return _argument_error(exc, "messages" if chat else "prompt")
+    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type="server_error")

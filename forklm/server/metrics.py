@@ -1,0 +1,75 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process).
+
+Gauges read the engine when scraped (list lengths and counters the engine thread updates; a
+scrape may see a state one step old). Counters and histograms are fed by the request handlers
+and by the engine loop's per-step hook.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from forklm.engine.engine import Engine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = reg = CollectorRegistry()
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes and friends
+        Gauge("forklm_requests_running", "Requests being prefilled or decoded", registry=reg).set_function(
+            lambda: len(engine.active)
+        )
+        Gauge("forklm_requests_waiting", "Requests queued in the engine, not yet admitted", registry=reg).set_function(
+            lambda: len(engine.waiting)
+        )
+        self.in_flight = Gauge(
+            "forklm_requests_in_flight", "Engine requests submitted over HTTP and not finished", registry=reg
+        )
+        Gauge("forklm_kv_blocks_in_use", "KV cache blocks held by running sequences", registry=reg).set_function(
+            lambda: engine.pool.num_in_use
+        )
+        Gauge("forklm_kv_blocks_cached", "KV cache blocks held only by the prefix cache", registry=reg).set_function(
+            lambda: engine.pool.num_cached
+        )
+        Gauge("forklm_kv_blocks_total", "KV cache blocks in the pool", registry=reg).set_function(
+            lambda: engine.pool.num_blocks
+        )
+        Gauge(
+            "forklm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens admitted",
+            registry=reg,
+        ).set_function(lambda: engine.metrics.prefix_hit_rate)
+        self.prompt_tokens = Counter("forklm_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
+        self.cached_prompt_tokens = Counter(
+            "forklm_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=reg
+        )
+        self.generation_tokens = Counter("forklm_generation_tokens", "Tokens generated", registry=reg)
+        self.requests = Counter(
+            "forklm_requests", "Finished HTTP requests by endpoint and status code", ["endpoint", "status"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "forklm_time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "forklm_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=reg
+        )
+        self.step = Histogram(
+            "forklm_step_seconds", "Wall time of one engine step (schedule, forward, sample)", buckets=_STEP_BUCKETS,
+            registry=reg,
+        )
+
+    def on_step(self, engine: Engine, seconds: float) -> None:
+        self.step.observe(seconds)
+
+    def finished(self, output) -> None:  # a SampleOutput
+        st = output.stats
+        self.prompt_tokens.inc(st.prompt_tokens)
+        self.cached_prompt_tokens.inc(st.cached_prompt_tokens)
+        self.generation_tokens.inc(st.generated_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

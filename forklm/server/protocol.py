@@ -1,0 +1,166 @@
+"""The request bodies the server accepts, validated by pydantic, and their mapping to forklm.
+
+OpenAI's parameters keep OpenAI's meaning. Parameters OpenAI has but forklm does not implement
+(penalties, logit_bias, echo, suffix, tools, response formats) are accepted only at their
+neutral value, so a client that sends the default still works and one that relies on them gets a
+400 naming the parameter, not a silently different result. Unknown parameters are a 400, as in
+OpenAI's API. forklm's extensions: `top_k`, `min_tokens`, `stop_token_ids`, `ignore_eos`, and
+`rank` (choices de-duplicated by text and ordered by mean log-probability).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from forklm.sampling.params import MAX_TOP_LOGPROBS
+from forklm.server.errors import APIError, invalid
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the completions `logprobs` integer
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking field
+    # neutral-only OpenAI parameters
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # forklm extensions
+    top_k: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    rank: bool = False
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def parse_body(cls: type[_Body], data: Any) -> _Body:
+    """Validates a decoded JSON body; a 400 naming the first offending parameter otherwise."""
+    if not isinstance(data, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        body = cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err.get("loc", ())
+        param = _param_path(loc)
+        if err.get("type") == "extra_forbidden":
+            raise invalid(f"Unrecognized request argument supplied: {param}", param=param) from None
+        if err.get("type") == "missing":
+            raise invalid(f"Missing required parameter: {param}", param=param) from None
+        if loc and loc[0] == "prompt":
+            raise invalid("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                          "token ids", param="prompt") from None
+        if len(loc) >= 3 and loc[0] == "messages" and loc[2] == "content":
+            raise invalid("message content must be a string or a list of {'type': 'text', 'text': ...} parts "
+                          "(forklm's models read text only)", param=param) from None
+        raise invalid(f"Invalid value for {param}: {err.get('msg', 'invalid')}", param=param) from None
+    _check_neutral(body)
+    return body
+
+
+def _param_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]", "int", "float", "bool"):
+            continue  # pydantic names the union member it tried; the parameter is what matters
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "body"
+
+
+def _check_neutral(body: _Body) -> None:
+    def unsupported(name: str, why: str = "is not supported by forklm") -> APIError:
+        return invalid(f"{name} {why}", param=name)
+
+    if body.presence_penalty not in (None, 0):
+        raise unsupported("presence_penalty", "is not supported by forklm (only 0)")
+    if body.frequency_penalty not in (None, 0):
+        raise unsupported("frequency_penalty", "is not supported by forklm (only 0)")
+    if body.logit_bias:
+        raise unsupported("logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true", param="stream_options")
+    if isinstance(body.stop, list) and len(body.stop) > 4:
+        raise invalid("stop may hold at most 4 strings", param="stop")
+    if body.stop is not None and any(s == "" for s in ([body.stop] if isinstance(body.stop, str) else body.stop)):
+        raise invalid("stop strings must not be empty", param="stop")
+    if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
+        raise invalid("stop_token_ids must be token ids >= 0", param="stop_token_ids")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            raise unsupported("echo")
+        if body.suffix:
+            raise unsupported("suffix")
+        if body.best_of is not None and body.best_of < body.n:
+            raise invalid(f"best_of ({body.best_of}) must be >= n ({body.n})", param="best_of")
+        if body.best_of is not None and body.best_of > body.n and body.stream:
+            raise invalid("best_of > n cannot be streamed", param="best_of")
+        if isinstance(body.prompt, list) and len(body.prompt) == 0:
+            raise invalid("prompt must not be empty", param="prompt")
+    if isinstance(body, ChatBody):
+        if body.tools:
+            raise unsupported("tools")
+        if body.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice")
+        if body.response_format not in (None, {"type": "text"}):
+            raise unsupported("response_format", "is not supported by forklm (only {'type': 'text'})")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if body.rank and body.stream:
+        raise invalid("rank needs every choice before ordering them and cannot be streamed", param="rank")
+
