@@ -101,3 +101,21 @@ def test_bench_serve_smoke(tmp_path, capsys):
     assert doc["ttft_probe"]["ttft_cached_s"] > 0
     assert png.stat().st_size > 0
     assert "| all-on |" in capsys.readouterr().out
+
+
+def test_bench_serve_http_smoke(tmp_path, capsys):
+    """`forklm bench-serve --http`: the same workload in process and over HTTP to a child server."""
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "http.json"
+    rc = main(["bench-serve", "--http", "--model", str(model), "--systems", "2", "--system-tokens", "64",
+               "--users", "2", "--user-tokens", "16", "-n", "2", "--new-tokens", "3", "--arrival-s", "0.2",
+               "--memory-gib", "0.05", "--out", str(out), "--plot", str(tmp_path / "http.png")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert list(runs) == ["all-on", "all-on over HTTP"]
+    for r in runs.values():
+        assert r["generated_tokens"] == 2 * 2 * 2 * 3 and r["blocks_in_use_after"] == 0
+    o = doc["http_overhead"]
+    assert o["idle_ttft_http_s"] > 0 and o["idle_ttft_in_process_s"] > 0 and o["throughput_ratio"] > 0
+    assert "HTTP vs in process" in capsys.readouterr().out

@@ -297,9 +297,9 @@ def test_oversized_body_is_413_and_unknown_route_404(forklm_server):
 
 
 def test_queue_limit_is_503_with_retry_after(smollm2_gguf):
-    from conftest import ServerProcess
+    from forklm.server.process import ServerProcess
 
-    server = ServerProcess("--max-requests", "2", "--memory-gib", "0.5", api_key=None)
+    server = ServerProcess("--dtype", "float32", "--max-requests", "2", "--memory-gib", "0.5")
     try:
         with httpx.Client(base_url=server.url, timeout=120) as http:
             body = {"model": MODEL, "prompt": CODE, "max_tokens": 4000, "stream": True, "ignore_eos": True}

@@ -234,7 +234,11 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--memory-gib", type=float, default=3.0, help="KV pool size (default: 3 GiB)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="JSON path (default: bench/results/serve_<device>_<dtype>.json)")
+    p.add_argument("--http", action="store_true",
+                   help="also send the workload over HTTP to a `forklm serve` child process (all-on engine) and "
+                        "report the overhead against the in-process run; implies --configs all-on unless given")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: bench/results/serve[_http]_<device>_<dtype>.json)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     return p
 
@@ -245,6 +249,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from forklm import LLM
     from forklm.bench.sweep import dtype_name
 
+    if args.http and args.configs == ",".join(CONFIGS):
+        args.configs = "all-on"
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
@@ -261,19 +267,39 @@ def run_from_args(args: argparse.Namespace) -> int:
     warm.add_request(wl.prompts[0][:64], SamplingParams(n=2, max_tokens=4, seed=0))
     warm.run()
     del warm
-    results, probe = [], None
+    results, probe, http_overhead, idle_engine = [], None, None, None
+    idle_prompt = sources[-1][:64]  # one small request on an idle engine, for the HTTP comparison
     for name in names:
         bar = tqdm(total=total, desc=name, unit="tok", file=sys.stderr)
         res, loop = run_config(llm, name, CONFIGS[name], wl, engine_args, bar.update)
         bar.close()
         if name == "all-on":
             probe = ttft_probe(loop, wl, args, sources)
+            if args.http:
+                from forklm.bench.http_workload import idle_ttft_engine
+
+                idle_engine = idle_ttft_engine(loop, idle_prompt)
         loop.close()
         results.append(res.summary())
         s = results[-1]
         print(f"{name:>15}: {s['throughput_tok_s']:7.1f} tok/s, makespan {s['makespan_s']:.1f} s, "
               f"TTFT p50 {s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.0f} ms, "
               f"hit rate {s['prefix_hit_rate']:.3f} (best {best:.3f})", file=sys.stderr)
+    if args.http:
+        from forklm.bench.http_workload import idle_ttft_http, overhead, run_http, server_args
+        from forklm.server.process import ServerProcess
+
+        with ServerProcess(*server_args(args, engine_args), model=args.model) as server:
+            idle_http = idle_ttft_http(server.url, args.model, idle_prompt)
+            bar = tqdm(total=total, desc="all-on over HTTP", unit="tok", file=sys.stderr)
+            res = run_http(server.url, args.model, wl, bar.update)
+            bar.close()
+            m = server.metrics()
+        res.metrics = {"prefix_hit_rate": m["forklm_prefix_cache_hit_rate"], "steps": m["forklm_step_seconds_count"],
+                       "blocks_in_use_after": m["forklm_kv_blocks_in_use"]}
+        results.append(res.summary())
+        in_process = next(r for r in results if r["name"] == "all-on")
+        http_overhead = overhead(in_process, results[-1], idle_engine, idle_http)
     doc = {
         "meta": {
             "command": "forklm bench-serve " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench-serve"] else "",
@@ -291,8 +317,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         },
         "runs": results,
         "ttft_probe": probe,
+        "http_overhead": http_overhead,
     }
-    out = Path(args.out or f"bench/results/serve_{llm.device.type}_{dtype_name(llm.dtype)}.json")
+    kind = "serve_http" if args.http else "serve"
+    out = Path(args.out or f"bench/results/{kind}_{llm.device.type}_{dtype_name(llm.dtype)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}", file=sys.stderr)
@@ -309,8 +337,11 @@ def run_from_args(args: argparse.Namespace) -> int:
 def markdown_table(doc: dict) -> str:
     best = doc["meta"]["best_hit_rate"]
     base = next((r for r in doc["runs"] if r["name"] == "all-off"), None)
+    base_name = "all-off"
+    if base is None and doc.get("http_overhead"):
+        base, base_name = next(r for r in doc["runs"] if r["name"] == "all-on"), "all-on"
     lines = [
-        "| config | tok/s | vs all-off | TTFT p50 / p90 (s) | ITL p50 / p90 (ms) | prefix hit rate (best) |",
+        f"| config | tok/s | vs {base_name} | TTFT p50 / p90 (s) | ITL p50 / p90 (ms) | prefix hit rate (best) |",
         "|---|---|---|---|---|---|",
     ]
     for r in doc["runs"]:
@@ -324,6 +355,11 @@ def markdown_table(doc: dict) -> str:
         lines.append("")
         lines.append(f"Idle TTFT, cached system prompt {p['ttft_cached_s']:.3f} s vs uncached {p['ttft_uncached_s']:.3f} s "
                      f"(ratio {p['ratio']:.2f})")
+    if doc.get("http_overhead"):
+        from forklm.bench.http_workload import markdown_overhead
+
+        lines.append("")
+        lines.append(markdown_overhead(doc["http_overhead"]))
     return "\n".join(lines)
 
 

@@ -71,5 +71,11 @@ class PagedKVCache:
             k.index_copy_(1, d, k.index_select(1, s))
             v.index_copy_(1, d, v.index_select(1, s))
 
+    def commit(self) -> None:
+        """Touches every page of the pool now (a long-running server's memory is then what it
+        will stay, and a machine short of memory fails at start, not mid-request)."""
+        for t in self.k + self.v:
+            t.zero_()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

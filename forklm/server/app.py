@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import math
@@ -66,6 +65,7 @@ class _Server:
         self.llm = llm
         self.config = config
         self.engine = llm.engine(**config.engine_options)
+        self.engine.kv.commit()
         self.metrics = ServerMetrics(self.engine)
         self._in_flight = 0
         self._lock = threading.Lock()

@@ -37,6 +37,9 @@ class ServerMetrics:
         Gauge("forklm_kv_blocks_total", "KV cache blocks in the pool", registry=reg).set_function(
             lambda: engine.pool.num_blocks
         )
+        Gauge("forklm_kv_pool_bytes", "Bytes of the KV cache pool (committed at start)", registry=reg).set(
+            engine.kv.nbytes()
+        )
         Gauge(
             "forklm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens admitted",
             registry=reg,
