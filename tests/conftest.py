@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; the variable must be
+# set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tests are CI-sized: keep both cores, deterministic kernels.
 torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

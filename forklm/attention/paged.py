@@ -56,6 +56,7 @@ class StepPlan:
     tail_slots: torch.Tensor | None = None  # [B, L] slots of each decode row's tail (padded)
     tail_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive mask (0 / -inf); None if no padding
     chunks: list[PrefillChunk] = field(default_factory=list)
+    kernel_plan: object = None  # kernels.segment_attention.SegmentPlan when decode rows use the Triton kernel
 
 
 def build_step_plan(
@@ -65,6 +66,9 @@ def build_step_plan(
     shared_attention: str,  # "auto" | "bifurcated" | "standard"
     device: torch.device,
     mask_dtype: torch.dtype,
+    decode_kernel: str = "torch",  # "torch" (attend_segment per segment) or "triton" (one fused kernel)
+    num_heads: int = 0,  # needed by the Triton kernel's plan
+    num_kv_heads: int = 0,
 ) -> StepPlan:
     """Where each new token's K/V goes and what each row attends to, for rows laid out as
     `[decode rows | chunk 0 | chunk 1 | ...]`."""
@@ -81,6 +85,15 @@ def build_step_plan(
         return plan
     full = [table[: t // bs] for table, t in decode_rows]
     segments, tail_start = shared_segments(full)
+    if decode_kernel == "triton":
+        from forklm.kernels.segment_attention import SegmentItem, plan_segments
+
+        items = [SegmentItem(seg.rows, seg.blocks, len(seg.blocks) * bs) for seg in segments]
+        for r, (table, t) in enumerate(decode_rows):  # each row's tail: its own blocks, current token included
+            items.append(SegmentItem([r], table[tail_start[r] : t // bs + 1], t + 1 - tail_start[r] * bs))
+        plan.kernel_plan = plan_segments(items, len(decode_rows), num_heads, num_kv_heads, bs, device)
+        plan.segments = [SegmentRead(torch.tensor(seg.rows, device=device), [], True) for seg in segments]
+        return plan
     for seg in segments:
         tokens = len(seg.blocks) * bs
         if shared_attention == "auto":
@@ -125,6 +138,11 @@ class PagedAttention:
         plan = self.plan
         B, h, D = q.shape
         p = h // g
+        if plan.kernel_plan is not None:  # every segment and tail in one kernel, merged exactly
+            from forklm.kernels.segment_attention import segment_attention
+
+            o, _ = segment_attention(q, self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, scale)
+            return o
         # Tails first: [B, L] slots gathered into [B, g, L, D] (one copy of the rows' own tokens).
         L = plan.tail_slots.shape[1]
         flat = plan.tail_slots.reshape(-1)

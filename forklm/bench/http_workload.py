@@ -74,8 +74,9 @@ def run_http(url: str, model: str, wl: Workload, progress) -> RunResult:
                     last[choice] = now
                     progress(tokens)
 
-                res.generated_tokens += await _stream_one(http, request_body(model, wl.prompts[i], wl.params[i]),
-                                                          on_chunk)
+                body = request_body(model, wl.prompts[i], wl.params[i])
+                tokens = await _stream_one(http, body, on_chunk)  # (no `x += await ...`: that races)
+                res.generated_tokens += tokens
 
             await asyncio.gather(*(one(i) for i in range(len(wl.prompts))))
             res.makespan_s = time.perf_counter() - t0

@@ -24,12 +24,12 @@ idle, the TTFT of a new request whose system prompt is cached against one whose 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import random
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,43 +143,35 @@ class RunResult:
 
 
 def run_config(llm, name: str, options: dict, wl: Workload, engine_args: dict, progress) -> tuple[RunResult, EngineLoop]:
+    """The workload through `EngineLoop`, submitted at its arrival times and consumed by one
+    asyncio thread (one consumer thread per request would contend with the engine for the GIL)."""
     engine = llm.engine(**engine_args, **options)
     loop = EngineLoop(engine)
     res = RunResult(name, options)
-    lock = threading.Lock()
-    last_token_at: dict[tuple[int, int], float] = {}
-    first_token_at: dict[int, float] = {}
-    submit_at: dict[int, float] = {}
-    streams = []
-    t0 = time.perf_counter()
 
-    def consume(i, stream):
-        for ev in stream:
-            now = time.perf_counter()
-            with lock:
-                res.generated_tokens += 1
-                first_token_at.setdefault(i, now)
-                key = (i, ev.sample_index)
-                if key in last_token_at:
-                    res.itl_s.append(now - last_token_at[key])
-                last_token_at[key] = now
-            progress(1)
+    async def main() -> None:
+        t0 = time.perf_counter()
 
-    consumers = []
-    for i, (prompt, at, params) in enumerate(zip(wl.prompts, wl.arrivals, wl.params)):
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        submit_at[i] = time.perf_counter()
-        stream = loop.submit(prompt, params, request_id=f"{name}-{i}")
-        streams.append(stream)
-        th = threading.Thread(target=consume, args=(i, stream), daemon=True)
-        th.start()
-        consumers.append(th)
-    for th in consumers:
-        th.join()
-    res.makespan_s = time.perf_counter() - t0
-    res.ttft_s = [first_token_at[i] - submit_at[i] for i in first_token_at]
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + wl.arrivals[i] - time.perf_counter()))
+            submitted = time.perf_counter()
+            stream = loop.submit(wl.prompts[i], wl.params[i], request_id=f"{name}-{i}")
+            last: dict[int, float] = {}
+            async for batch in stream.batches():
+                now = time.perf_counter()
+                if not last:
+                    res.ttft_s.append(now - submitted)
+                for ev in batch:
+                    if ev.sample_index in last:
+                        res.itl_s.append(now - last[ev.sample_index])
+                    last[ev.sample_index] = now
+                res.generated_tokens += len(batch)
+                progress(len(batch))
+
+        await asyncio.gather(*(one(i) for i in range(len(wl.prompts))))
+        res.makespan_s = time.perf_counter() - t0
+
+    asyncio.run(main())
     m = engine.metrics
     res.metrics = {
         "prefix_hit_rate": m.prefix_hit_rate,

@@ -43,6 +43,7 @@ from forklm.sampling.seeds import fresh_seed
 
 SCHEDULES = ("cache-aware", "fcfs")
 SHARED_ATTENTION = ("auto", "bifurcated", "standard")
+DECODE_KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -57,6 +58,7 @@ class EngineConfig:
     max_wait_steps: int = 256  # aging bound: a request waiting this many steps goes first
     shared_attention: str = "auto"  # per shared segment: measured rule, always, or never
     defer_shared_prefill: bool = True  # wait for a running prefill of the same prefix, then hit it
+    decode_kernel: str = "auto"  # decode attention: "torch" (attend_segment per segment) or "triton" (one fused kernel)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -69,6 +71,8 @@ class EngineConfig:
             raise InvalidArgumentError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.shared_attention not in SHARED_ATTENTION:
             raise InvalidArgumentError(f"shared_attention must be one of {SHARED_ATTENTION}, got {self.shared_attention!r}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise InvalidArgumentError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
         if not 0 < self.memory_fraction <= 1:
             raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
 
@@ -110,6 +114,7 @@ class Engine:
             if num_blocks < 2:
                 raise OutOfMemoryError(f"a KV memory budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
         self.block_size = cfg.block_size
+        self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model.device)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.radix = RadixCache(self.pool)
         self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, model.dtype, model.device)
@@ -480,6 +485,9 @@ class Engine:
             self.config.shared_attention,
             dev,
             self.model.dtype,
+            self.decode_kernel,
+            self.model.config.num_heads,
+            self.model.config.num_kv_heads,
         )
         self.metrics.shared_reads += sum(seg.bifurcated for seg in plan.segments)
         self.metrics.computed_tokens += len(ids)
@@ -656,6 +664,18 @@ class Engine:
 
     def blocks_in_use(self) -> int:
         return self.pool.num_in_use
+
+
+def _resolve_decode_kernel(choice: str, device: torch.device) -> str:
+    from forklm.kernels.segment_attention import available
+
+    if choice == "auto":
+        # The Triton kernel is checked in Triton's interpreter only; it becomes the CUDA default once
+        # it has been checked and timed on a GPU (issue 6).
+        return "torch"
+    if choice == "triton" and not available():
+        raise InvalidArgumentError("decode_kernel='triton' needs the triton package (pip install triton)")
+    return choice
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
