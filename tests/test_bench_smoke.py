@@ -119,3 +119,20 @@ def test_bench_serve_http_smoke(tmp_path, capsys):
     o = doc["http_overhead"]
     assert o["idle_ttft_http_s"] > 0 and o["idle_ttft_in_process_s"] > 0 and o["throughput_ratio"] > 0
     assert "HTTP vs in process" in capsys.readouterr().out
+
+
+def test_bench_runs_a_random_weight_model(tmp_path, capsys):
+    """`forklm bench --model random:<config.json>`: forklm and transformers on a random-weight shape
+    (what the GPU benchmark runs at Llama-3-8B size), no files but the config."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+                               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--model", f"random:{cfg}", "--dtype", "float32", "--contexts", "64", "--ns", "1,4",
+               "--new-tokens", "3", "--out", str(out), "--plot", str(tmp_path / "r.png")])
+    assert rc == 0
+    points = json.loads(out.read_text())["points"]
+    impls = {p["impl"] for p in points}
+    assert {"forklm-standard", "forklm-bifurcated", "forklm-auto", "transformers"} <= impls
+    assert all(p["step_ms_median"] > 0 for p in points)

@@ -89,9 +89,10 @@ def parse_paths(text: str) -> list[str]:
 def synthetic_prompt(tokenizer: Any, vocab_size: int, m_c: int) -> list[int]:
     """Exactly m_c deterministic token ids: BOS (if the tokenizer adds one) + the snippet, repeated.
 
-    A tokenizer that cannot spell the snippet (a toy vocabulary) gets fixed pseudo-random ids.
+    A tokenizer that cannot spell the snippet (a toy vocabulary), or none (a random-weight model),
+    gets fixed pseudo-random ids.
     """
-    ids = [i for i in tokenizer.encode(SNIPPET, add_special_tokens=False) if 0 <= i < vocab_size]
+    ids = [i for i in tokenizer.encode(SNIPPET, add_special_tokens=False) if 0 <= i < vocab_size] if tokenizer else []
     if len(set(ids)) < 8:
         ids = [(17 + 7919 * i) % vocab_size for i in range(257)]
     bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos", False) else None
@@ -199,9 +200,26 @@ class TransformersRunner:
 
     @classmethod
     def load(cls, source: Path, dtype: torch.dtype, device: torch.device) -> "TransformersRunner":
-        """The checkpoint forklm loaded (`llm.source`: a HF folder or a .gguf file) in `dtype`."""
-        from transformers import AutoModelForCausalLM
+        """The checkpoint forklm loaded (`llm.source`: a HF folder or a .gguf file) in `dtype`; for a
+        random-weight model ("random:<shape>"), transformers' own random init of the same config,
+        built on the device (the values differ from forklm's; the work does not)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        from forklm.models.random_weights import PREFIX, NAMED_SHAPES
+
+        text = str(source)
+        if text.startswith(PREFIX):
+            shape = text[len(PREFIX) :]
+            spec = dict(NAMED_SHAPES[shape]) if shape in NAMED_SHAPES else json.loads(
+                (Path(shape) / "config.json" if Path(shape).is_dir() else Path(shape)).read_text())
+            arch = (spec.get("architectures") or ["LlamaForCausalLM"])[0]
+            model_type = "qwen2" if arch.startswith("Qwen2") else "llama"
+            config = AutoConfig.for_model(model_type, **{k: v for k, v in spec.items() if k != "architectures"})
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = model.eval()
+            eos = spec.get("eos_token_id")
+            return cls(model, device, eos[0] if isinstance(eos, list) else eos)
         source = Path(source)
         if source.is_file():  # GGUF: transformers dequantizes it to `dtype`
             model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
