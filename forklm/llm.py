@@ -192,6 +192,9 @@ class LLM:
         return Engine(self.model, self.decode, self.eos_token_ids, EngineConfig(**options))
 
     def _check_stop(self, params: SamplingParams) -> None:
+        V = self.config.vocab_size
+        if any(t >= V for t in params.stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be token ids in [0, {V})")
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError(f"stop: {self.source} has no tokenizer, so stop strings cannot match; "
                                        "use stop_token_ids")

@@ -24,6 +24,10 @@ def llm(smollm2_f32):
         ({"max_tokens": 0}, "max_tokens"),
         ({"attention": "flash"}, "attention"),
         ({"stop": [""]}, "stop"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"stop_token_ids": [10**6], "min_tokens": 1}, "stop_token_ids"),
+        ({"top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_sampling_arguments(llm, kwargs, name):
@@ -120,3 +124,10 @@ def test_cli_help_everywhere():
     for args in (["--help"], ["sample", "--help"], ["bench", "--help"]):
         r = run_cli(*args)
         assert r.returncode == 0 and "usage: forklm" in r.stdout
+
+
+def test_tiny_temperature_is_greedy_not_garbage(llm):
+    """Dividing logits by 1e-320 overflows float32; such temperatures draw greedily."""
+    greedy = llm.sample("def fib(n):", n=2, max_tokens=8, temperature=0)
+    tiny = llm.sample("def fib(n):", n=2, max_tokens=8, temperature=1e-320, seed=3)
+    assert [s.token_ids for s in tiny.samples] == [s.token_ids for s in greedy.samples]

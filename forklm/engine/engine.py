@@ -156,6 +156,8 @@ class Engine:
             raise InvalidArgumentError("prompt must not be empty")
         if any(not isinstance(t, int) or not 0 <= t < V for t in prompt_ids):
             raise InvalidArgumentError(f"prompt token ids must be integers in [0, {V})")
+        if any(t >= V for t in params.stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be token ids in [0, {V})")
         limit = self.model.config.max_position_embeddings
         if len(prompt_ids) + params.max_tokens > limit:
             raise InvalidArgumentError(

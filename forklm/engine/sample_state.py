@@ -120,12 +120,12 @@ def check_finished(
     if params.stop:
         text = decode(st.token_ids)
         if not can_stop:  # stop strings count only after min_tokens
-            st.checked = len(text)
+            st.checked = len(text.rstrip("\ufffd"))  # an incomplete last character may still change
             return _length_reached(st, params)
         longest = max(len(s) for s in params.stop)
         start = max(0, st.checked - longest + 1)
         hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
-        st.checked = len(text)
+        st.checked = len(text.rstrip("\ufffd"))  # an incomplete last character may still change
         if hits:
             pos, s = min(hits)
             st.text = text[:pos]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from forklm.errors import InvalidArgumentError
+from forklm.sampling.sampler import GREEDY_BELOW
 
 MAX_TOP_LOGPROBS = 20
 
@@ -14,7 +16,7 @@ class SamplingParams:
     n: int = 1
     max_tokens: int = 64
     min_tokens: int = 0
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 = greedy (so is anything below sampler.GREEDY_BELOW = 1e-5)
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
@@ -41,7 +43,7 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if not _is_number(self.temperature) or not self.temperature >= 0:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise bad("temperature", self.temperature, "a number >= 0 (0 = greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "a number in (0, 1]")
@@ -60,7 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(x: object) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures below this draw greedily (dividing by them overflows float32)
 _NUCLEUS_PROBES = (64, 1024)  # candidate widths tried before a full sort
 _BLOCK = 256  # inverse-CDF block width (two-level search keeps float32 sums accurate)
 
@@ -123,7 +124,7 @@ def sample_tokens(
     top_p: float,
     u: torch.Tensor,  # [b] float64 uniforms in [0, 1)
 ) -> torch.Tensor:  # [b] int64 token ids
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     if top_p < 1.0 and not (top_k and top_k < logits.shape[-1]):
         probs = torch.softmax(logits / temperature, dim=-1)

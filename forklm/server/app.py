@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import json
 import math
+import re
 import threading
 import time
 import uuid
@@ -47,6 +48,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_body_bytes: int = 4 * 2**20  # larger bodies get 413
     max_requests: int = 1024  # engine requests in flight (one per prompt); more get 503
+    max_samples: int = 1024  # samples one HTTP request may ask for (n or best_of, times its prompts); more get 400
     retry_after_s: int = 1  # Retry-After of a 503
     engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
 
@@ -82,6 +84,9 @@ class _Server:
             self.metrics.finished(event.output)
 
     def submit(self, jobs: list[_Job], stream_tokens: bool, request_id: str) -> None:
+        if len(jobs) > self.config.max_requests:  # would never fit: retrying cannot help
+            raise invalid(f"the request holds {len(jobs)} prompts; this server runs at most "
+                          f"{self.config.max_requests} at once", param="prompt")
         with self._lock:
             if self._in_flight + len(jobs) > self.config.max_requests:
                 raise APIError(
@@ -129,12 +134,14 @@ class _Server:
                 prompts = [llm.prompt_token_ids(messages)]
             except InvalidArgumentError as exc:
                 raise invalid(str(exc), param="messages") from None
+            self._check_samples(body.n, 1, "n")
             max_tokens = body.max_completion_tokens or body.max_tokens
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
             n_samples = body.n
         else:
             p = body.prompt
             items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+            self._check_samples(body.best_of or body.n, len(items), "best_of" if body.best_of else "n")
             prompts = []
             for i, item in enumerate(items):
                 try:
@@ -144,6 +151,9 @@ class _Server:
             max_tokens = body.max_tokens
             top_logprobs = body.logprobs or 0
             n_samples = body.best_of or body.n
+        vocab = llm.config.vocab_size
+        if body.stop_token_ids and max(body.stop_token_ids) >= vocab:
+            raise invalid(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
         jobs = []
         for ids in prompts:
             room = self.room_for(len(ids))
@@ -171,6 +181,13 @@ class _Server:
                 raise invalid(str(exc), param=param_of_message(str(exc))) from None
             jobs.append(_Job(ids, params))
         return jobs
+
+    def _check_samples(self, per_prompt: int, prompts: int, param: str) -> None:
+        limit = self.config.max_samples
+        if per_prompt * prompts > limit:
+            total = f"{per_prompt} per prompt" + (f" x {prompts} prompts" if prompts > 1 else "")
+            raise invalid(f"{param} asks for {total} samples; this server allows at most {limit} per request",
+                          param=param)
 
     def room_for(self, prompt_len: int) -> int:
         """Tokens a sample of this prompt may generate: the context's rest, within the KV pool."""
@@ -267,9 +284,23 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(text, parse_constant=no_constants)
+        data = json.loads(text, parse_constant=no_constants)
     except ValueError as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply") from None
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+        try:  # an escape such as "\ud800" outside a surrogate pair: text no tokenizer can take
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            raise invalid("the request body is nested too deeply") from None
+        except UnicodeEncodeError:
+            raise invalid("the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+                          "which is not a Unicode character") from None
+    return data
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:

@@ -21,6 +21,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model as given)")
     p.add_argument("--max-requests", type=int, default=1024,
                    help="engine requests in flight (one per prompt) before 503 (default: 1024)")
+    p.add_argument("--max-samples", type=int, default=1024,
+                   help="samples one request may ask for (n or best_of, times its prompts) before 400 (default: 1024)")
     p.add_argument("--max-body-mib", type=float, default=4.0, help="request body limit, 413 beyond (default: 4)")
     p.add_argument("--memory-gib", type=float, default=None, help="KV pool size (default: 25%% of free memory)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --memory-gib)")
@@ -56,13 +58,19 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_requests < 1:
         raise ValueError("--max-requests must be >= 1")
+    if args.max_samples < 1:
+        raise ValueError("--max-samples must be >= 1")
     EngineConfig(**engine_options(args))  # bad options fail before the model loads
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    if llm.tokenizer is None:
+        raise ValueError(f"{args.model}: forklm serve needs a model with a tokenizer (random-weight shapes are for "
+                         "forklm bench)")
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,
         max_body_bytes=int(args.max_body_mib * 2**20),
         max_requests=args.max_requests,
+        max_samples=args.max_samples,
         engine_options=engine_options(args),
     )
     print(f"forklm: serving {config.model_name} ({llm.dtype} on {llm.device}) at http://{args.host}:{args.port}/v1",

@@ -10,9 +10,11 @@ OpenAI's API. forklm's extensions: `top_k`, `min_tokens`, `stop_token_ids`, `ign
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from forklm.sampling.params import MAX_TOP_LOGPROBS
 from forklm.server.errors import APIError, invalid
@@ -20,12 +22,31 @@ from forklm.server.errors import APIError, invalid
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the completions `logprobs` integer
 
 
-class StreamOptions(BaseModel):
+def _accepts_none(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
+class _NullMeansDefault(BaseModel):
+    """OpenAI's optional parameters are nullable ("n": null, "stream": null, "logprobs": null are
+    valid requests): an explicit null of an optional parameter means its default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required()
+                        and not _accepts_none(fields[k].annotation))}
+
+
+class StreamOptions(_NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
-class _Body(BaseModel):
+class _Body(_NullMeansDefault):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
@@ -37,6 +58,9 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking field
+    service_tier: str | None = None  # accepted and ignored: one tier here
+    store: bool | None = None  # only false: forklm does not store completions
+    metadata: dict[str, str] | None = None  # accepted and ignored (it labels stored completions)
     # neutral-only OpenAI parameters
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -131,8 +155,10 @@ def _check_neutral(body: _Body) -> None:
         raise unsupported("presence_penalty", "is not supported by forklm (only 0)")
     if body.frequency_penalty not in (None, 0):
         raise unsupported("frequency_penalty", "is not supported by forklm (only 0)")
-    if body.logit_bias:
-        raise unsupported("logit_bias")
+    if body.logit_bias and any(v != 0 for v in body.logit_bias.values()):
+        raise unsupported("logit_bias", "is not supported by forklm (only biases of 0)")
+    if body.store:
+        raise unsupported("store", "is not supported by forklm (completions are not stored; only false)")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(body.stop, list) and len(body.stop) > 4:

@@ -1,0 +1,119 @@
+"""`SampleTextStream` with the real SmolLM2 tokenizer: the streamed pieces always add up to the final
+(non-streamed) text that `check_finished` / `to_sample` produce, over many random token sequences
+with multi-byte characters split across tokens, special tokens, stop tokens and stop strings that
+span tokens."""
+
+import random
+
+import pytest
+
+from forklm.engine.sample_state import SampleState, check_finished, to_sample
+from forklm.sampling.params import SamplingParams
+from forklm.server.text_stream import SampleTextStream
+
+TEXTS = ["héllo wörld, ça va?", "日本語のテキスト", "emoji 😀🎉 ok 👍🏽", "def f(x):\n    return x\n",
+         "a. b , c ' d\t", "Ελληνικά και русский", "€100 — “quotes”"]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_f32):
+    return smollm2_f32.tokenizer
+
+
+@pytest.fixture(scope="module")
+def token_pool(tok):
+    """Tokens of multilingual text, tokens that are pieces of a UTF-8 character, special tokens."""
+    pool = set()
+    for t in TEXTS:
+        pool.update(tok.encode(t, add_special_tokens=False))
+    partial, special = [], []
+    for i in range(tok.vocab_size):
+        raw = tok.token_bytes(i)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            partial.append(i)
+        if tok.decode([i]) == "":
+            special.append(i)
+    assert partial and special
+    return sorted(pool), partial, special
+
+
+def run_stream(tok, ids, params, stop_ids):
+    """Feeds `ids` one token at a time as the engine does; returns (pieces, final text, finish)."""
+    st = SampleState(0)
+    ts = SampleTextStream(tok.decode, params.stop)
+    pieces = []
+    for t in ids:
+        st.token_ids.append(t)
+        st.logprobs.append(0.0)
+        if check_finished(st, params, stop_ids, tok.decode):
+            final = to_sample(st, tok.decode)
+            pieces.append(ts.finish(final.text))
+            return pieces, final.text, final.finish_reason
+        pieces.append(ts.push(t))
+        # what was streamed so far is final: it begins the text decoded so far
+        assert tok.decode(st.token_ids).startswith("".join(pieces)) or "\ufffd" in tok.decode(st.token_ids)
+    raise AssertionError("max_tokens = len(ids) must finish the sample")
+
+
+def test_pieces_add_up_to_the_final_text(tok, token_pool):
+    common, partial, special = token_pool
+    rng = random.Random(1234)
+    stopped_by_string = 0
+    for trial in range(2500):
+        n = rng.randint(1, 30)
+        ids = []
+        for _ in range(n):
+            r = rng.random()
+            ids.append(rng.choice(common) if r < 0.6 else rng.choice(partial) if r < 0.8
+                       else rng.choice(special) if r < 0.85 else rng.randrange(tok.vocab_size))
+        full = tok.decode(ids)
+        stops = []
+        for _ in range(rng.randint(0, 4)):
+            if full and rng.random() < 0.75:  # a piece of the text, often spanning tokens
+                a = rng.randrange(len(full))
+                stops.append(full[a:rng.randint(a + 1, min(len(full), a + 6))])
+            else:
+                stops.append(rng.choice(["\n", "x", "ö", "😀", "return", "本語"]))
+        stops = tuple(dict.fromkeys(s for s in stops if s))[:4]
+        stop_ids = set(rng.sample(special, 2)) if rng.random() < 0.3 else set()
+        min_tokens = rng.randint(0, min(3, n)) if rng.random() < 0.3 else 0
+        params = SamplingParams(max_tokens=n, min_tokens=min_tokens, stop=stops, stop_token_ids=tuple(stop_ids),
+                                ignore_eos=True)
+        pieces, final, _ = run_stream(tok, ids, params, stop_ids)
+        assert "".join(pieces) == final, (trial, ids, stops, pieces, final)
+        stopped_by_string += isinstance(final, str) and final != tok.decode(ids) and bool(stops)
+    assert stopped_by_string > 200  # the stop-string path was exercised
+
+
+def test_text_streams_without_delay_when_nothing_can_change(tok, token_pool):
+    """No stop strings: every token whose text is complete is streamed at once."""
+    common, _, _ = token_pool
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.choice(common) for _ in range(rng.randint(1, 20))]
+        ts = SampleTextStream(tok.decode)
+        out = ""
+        for k, t in enumerate(ids):
+            out += ts.push(t)
+            text = tok.decode(ids[: k + 1])
+            if not text.endswith("\ufffd"):
+                assert out == text
+
+
+def test_stop_string_held_back_across_a_split_character(tok):
+    ids = tok.encode("x 日本語", add_special_tokens=False)
+    assert tok.token_bytes(ids[1]) == b" \xe6"  # 日 is split over three tokens
+    params = SamplingParams(max_tokens=len(ids), stop=("日本",))
+    pieces, final, reason = run_stream(tok, ids, params, set())
+    assert reason == "stop" and final == "x "
+    assert "".join(pieces) == final
+    assert all("日" not in p and "\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_ending_in_a_split_character_is_found(tok):
+    ids = tok.encode("x 日本語", add_special_tokens=False)  # 語 is split over three tokens
+    params = SamplingParams(max_tokens=len(ids), stop=("本語",))
+    _, final, reason = run_stream(tok, ids, params, set())
+    assert reason == "stop" and final == "x 日"
