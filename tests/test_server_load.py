@@ -126,6 +126,7 @@ def test_load_hundreds_of_concurrent_requests_with_cancellations(forklm_server):
     # The KV pool is committed at start, so resident memory only moves with real allocations.
     assert after_first["process_resident_memory_bytes"] > after_first["forklm_kv_pool_bytes"]
     growth = after_second["process_resident_memory_bytes"] - after_first["process_resident_memory_bytes"]
+    print(f"load rounds: {first} {second}; {elapsed:.0f} s; resident memory growth {growth / 2**20:.1f} MiB")
     assert growth < 100 * 2**20, f"server memory grew by {growth / 2**20:.0f} MiB over a second round"
     assert after_second["forklm_prefix_cache_hit_rate"] > 0.3  # the shared system prompts were reused
     assert forklm_server.proc.poll() is None
