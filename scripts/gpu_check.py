@@ -24,42 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from forklm.kernels.segment_attention import SegmentItem, plan_segments, segment_attention  # noqa: E402
-
-
-def random_items(rng: random.Random, b: int, bs: int, num_blocks: int) -> list[SegmentItem]:
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-
-    def segment(rows, lo, hi):
-        n = rng.randint(lo, hi)
-        return SegmentItem(rows, [free.pop() for _ in range(-(-n // bs))], n)
-
-    rows = list(range(b))
-    items = [segment(rows, 1, 3000)]
-    rng.shuffle(rows)
-    k = 0
-    while k < b:
-        size = rng.randint(1, max(1, b // 2))
-        if rng.random() < 0.7:
-            items.append(segment(sorted(rows[k : k + size]), 1, 300))
-        k += size
-    items += [segment([r], 1, 100) for r in range(b) if rng.random() < 0.9]
-    return items
-
-
-def reference(q, k_cache, v_cache, items, bs, scale):
-    R, h, D = q.shape
-    g = k_cache.shape[0]
-    o = torch.empty(R, h, D, dtype=torch.float32, device=q.device)
-    for r in range(R):
-        slots = torch.tensor([it.blocks[t // bs] * bs + t % bs for it in items if r in it.rows
-                              for t in range(it.num_tokens)], device=q.device)
-        kk = k_cache[:, slots].float().repeat_interleave(h // g, 0)  # [h, S, D]
-        vv = v_cache[:, slots].float().repeat_interleave(h // g, 0)
-        s = torch.einsum("hd,hsd->hs", q[r].float(), kk) * scale
-        o[r] = torch.einsum("hs,hsd->hd", torch.softmax(s, -1), vv)
-    return o
+from forklm.bench.kernel_bench import random_sharing, reference_attention  # noqa: E402
+from forklm.kernels.segment_attention import plan_segments, segment_attention  # noqa: E402
 
 
 def check(args) -> list[dict]:
@@ -72,7 +38,7 @@ def check(args) -> list[dict]:
                     try:
                         rng = random.Random(hash((h, g, b, D, str(dtype))) % 2**32)
                         bs, nb = 16, 4000
-                        items = random_items(rng, b, bs, nb)
+                        items = random_sharing(rng, b, bs, nb, max_shared=3000, max_group=300, max_own=100)
                         kc = torch.randn(g, nb * bs, D, device="cuda", dtype=dtype)
                         vc = torch.randn(g, nb * bs, D, device="cuda", dtype=dtype)
                         q = torch.randn(b, h, D, device="cuda", dtype=dtype)
@@ -81,7 +47,7 @@ def check(args) -> list[dict]:
                         lse = torch.full((b, h), float("nan"), device="cuda")
                         segment_attention(q, kc, vc, plan, D**-0.5, out=o, out_lse=lse)
                         torch.cuda.synchronize()
-                        ref = reference(q, kc, vc, items, bs, D**-0.5)
+                        ref, _ = reference_attention(q, kc, vc, items, bs, D**-0.5, dtype=torch.float32)
                         rec["finite"] = bool(torch.isfinite(o).all() and torch.isfinite(lse).all())
                         rec["rel_err"] = ((o.float() - ref).norm() / ref.norm()).item()
                         rec["ok"] = rec["finite"] and rec["rel_err"] < (2e-2 if dtype == torch.bfloat16 else 3e-3)

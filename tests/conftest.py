@@ -35,6 +35,43 @@ def smollm2_f32(smollm2_gguf):
     return LLM("smollm2-135m", dtype="float32", device="cpu")
 
 
+def tiny_llama(vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
+               dtype: torch.dtype, seed: int, max_positions: int = 4096):
+    """A small random Llama whose next-token distribution is neither one-hot nor flat and depends
+    strongly on the context (scales tuned for the engine fuzz test), so wrong KV shows in samples."""
+    import math
+
+    from forklm.config import ModelConfig
+    from forklm.models.llama import LlamaModel
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype) * std
+
+    def ones() -> torch.Tensor:
+        return torch.ones(hidden, dtype=dtype)
+
+    H, D = hidden, head_dim
+    w = {"model.embed_tokens.weight": rnd(vocab, H, std=1.0), "model.norm.weight": ones(),
+         "lm_head.weight": rnd(vocab, H, std=0.3)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = ones()
+        w[p + "post_attention_layernorm.weight"] = ones()
+        w[p + "self_attn.q_proj.weight"] = rnd(heads * D, H, std=3 / math.sqrt(H))
+        w[p + "self_attn.k_proj.weight"] = rnd(kv_heads * D, H, std=3 / math.sqrt(H))
+        w[p + "self_attn.v_proj.weight"] = rnd(kv_heads * D, H, std=1 / math.sqrt(H))
+        w[p + "self_attn.o_proj.weight"] = rnd(H, heads * D, std=2 / math.sqrt(heads * D))
+        w[p + "mlp.gate_proj.weight"] = rnd(inter, H, std=1 / math.sqrt(H))
+        w[p + "mlp.up_proj.weight"] = rnd(inter, H, std=1 / math.sqrt(H))
+        w[p + "mlp.down_proj.weight"] = rnd(H, inter, std=1 / math.sqrt(inter))
+    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=H, intermediate_size=inter,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
+                      max_position_embeddings=max_positions)
+    return LlamaModel(cfg, w, dtype, torch.device("cpu"))
+
+
 def fail_forward_call(monkeypatch, model, call: int) -> None:
     """Makes the `call`-th model.forward from now raise RuntimeError("injected failure")."""
     real_forward = model.forward

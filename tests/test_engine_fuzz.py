@@ -29,7 +29,6 @@ Reproduce one scenario (prints its configuration): `python tests/test_engine_fuz
 from __future__ import annotations
 
 import functools
-import math
 import random
 import sys
 import time
@@ -38,11 +37,12 @@ from collections import Counter, defaultdict
 
 import torch
 
-from forklm.config import ModelConfig
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.engine.forked import generate_forked
 from forklm.models.llama import LlamaModel
 from forklm.sampling.params import SamplingParams
+
+from conftest import tiny_llama
 
 SEEDS = range(400)
 EOS = 3
@@ -62,33 +62,7 @@ def tiny_model() -> LlamaModel:
     context (changing the first prompt token moves it by a total variation of ~0.35), so that
     wrong KV in the cache shows up as different samples.
     """
-    g = torch.Generator().manual_seed(1234)
-
-    def rnd(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64) * std
-
-    ones = lambda: torch.ones(HIDDEN, dtype=torch.float64)  # noqa: E731
-    w = {
-        "model.embed_tokens.weight": rnd(V, HIDDEN, std=1.0),
-        "model.norm.weight": ones(),
-        "lm_head.weight": rnd(V, HIDDEN, std=0.3),
-    }
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = ones()
-        w[p + "post_attention_layernorm.weight"] = ones()
-        w[p + "self_attn.q_proj.weight"] = rnd(HEADS * HEAD_DIM, HIDDEN, std=3 / math.sqrt(HIDDEN))
-        w[p + "self_attn.k_proj.weight"] = rnd(KV_HEADS * HEAD_DIM, HIDDEN, std=3 / math.sqrt(HIDDEN))
-        w[p + "self_attn.v_proj.weight"] = rnd(KV_HEADS * HEAD_DIM, HIDDEN, std=1 / math.sqrt(HIDDEN))
-        w[p + "self_attn.o_proj.weight"] = rnd(HIDDEN, HEADS * HEAD_DIM, std=2 / math.sqrt(HEADS * HEAD_DIM))
-        w[p + "mlp.gate_proj.weight"] = rnd(INTER, HIDDEN, std=1 / math.sqrt(HIDDEN))
-        w[p + "mlp.up_proj.weight"] = rnd(INTER, HIDDEN, std=1 / math.sqrt(HIDDEN))
-        w[p + "mlp.down_proj.weight"] = rnd(HIDDEN, INTER, std=1 / math.sqrt(INTER))
-    cfg = ModelConfig(
-        architecture="llama", vocab_size=V, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=LAYERS,
-        num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096,
-    )
-    return LlamaModel(cfg, w, torch.float64, torch.device("cpu"))
+    return tiny_llama(V, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, torch.float64, seed=1234)
 
 
 _REFERENCE: dict[tuple, object] = {}

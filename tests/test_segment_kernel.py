@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from forklm.bench.kernel_bench import random_sharing, reference_attention
 from forklm.kernels.segment_attention import SegmentItem, available, plan_segments, segment_attention
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed")
@@ -18,49 +19,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_items(rng: random.Random, b: int, bs: int, num_blocks: int) -> list[SegmentItem]:
-    """A random sharing structure: a prefix shared by all rows, a middle level shared by random
-    groups, each row's own tail; lengths not multiples of the block size; blocks scattered."""
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-
-    def segment(rows, lo, hi):
-        n = rng.randint(lo, hi)
-        blocks = [free.pop() for _ in range(-(-n // bs))]
-        return SegmentItem(rows, blocks, n)
-
-    rows = list(range(b))
-    items = [segment(rows, 1, 300)]
-    rng.shuffle(rows)
-    k = 0
-    while k < b:
-        size = rng.randint(1, max(1, b // 2))
-        group = sorted(rows[k : k + size])
-        if rng.random() < 0.7:
-            items.append(segment(group, 1, 70))
-        k += size
-    for r in range(b):
-        if rng.random() < 0.9:
-            items.append(segment([r], 1, 40))
-    return items
+    return random_sharing(rng, b, bs, num_blocks)
 
 
 def reference(q, k_cache, v_cache, items, bs, scale):
-    """Per row: materialize its keys (all its items), softmax in float64, weighted sum."""
-    R, h, D = q.shape
-    g = k_cache.shape[0]
-    o = torch.empty(R, h, D, dtype=torch.float64)
-    lse = torch.empty(R, h, dtype=torch.float64)
-    for r in range(R):
-        slots = [blk * bs + t % bs for it in items if r in it.rows
-                 for t, blk in ((t, it.blocks[t // bs]) for t in range(it.num_tokens))]
-        idx = torch.tensor(slots)
-        for head in range(h):
-            j = head // (h // g)
-            kk = k_cache[j, idx].double().cpu()
-            vv = v_cache[j, idx].double().cpu()
-            s = (kk @ q[r, head].double().cpu()) * scale
-            lse[r, head] = torch.logsumexp(s, 0)
-            o[r, head] = torch.softmax(s, 0) @ vv
+    o, lse = reference_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), items, bs, scale)
     return o, lse
 
 
@@ -123,33 +86,9 @@ def test_plan_rejects_inconsistent_items():
 
 def tiny_f32_model(seed: int = 7):
     """2 layers, 4 query heads over 2 KV heads, head dim 16 (the kernel's minimum), float32."""
-    import math
+    from conftest import tiny_llama
 
-    from forklm.config import ModelConfig
-    from forklm.models.llama import LlamaModel
-
-    V, H, heads, kv, D, inter = 29, 64, 4, 2, 16, 96
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, std):
-        return torch.randn(*shape, generator=gen) * std
-
-    w = {"model.embed_tokens.weight": rnd(V, H, std=1.0), "model.norm.weight": torch.ones(H),
-         "lm_head.weight": rnd(V, H, std=0.3)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = torch.ones(H)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
-        w[p + "self_attn.q_proj.weight"] = rnd(heads * D, H, std=3 / math.sqrt(H))
-        w[p + "self_attn.k_proj.weight"] = rnd(kv * D, H, std=3 / math.sqrt(H))
-        w[p + "self_attn.v_proj.weight"] = rnd(kv * D, H, std=1 / math.sqrt(H))
-        w[p + "self_attn.o_proj.weight"] = rnd(H, heads * D, std=2 / math.sqrt(heads * D))
-        w[p + "mlp.gate_proj.weight"] = rnd(inter, H, std=1 / math.sqrt(H))
-        w[p + "mlp.up_proj.weight"] = rnd(inter, H, std=1 / math.sqrt(H))
-        w[p + "mlp.down_proj.weight"] = rnd(H, inter, std=1 / math.sqrt(inter))
-    cfg = ModelConfig(architecture="llama", vocab_size=V, hidden_size=H, intermediate_size=inter, num_layers=2,
-                      num_heads=heads, num_kv_heads=kv, head_dim=D, max_position_embeddings=1024)
-    return LlamaModel(cfg, w, torch.float32, torch.device("cpu"))
+    return tiny_llama(29, 64, 4, 2, 16, 96, 2, torch.float32, seed=seed, max_positions=1024)
 
 
 def test_engine_with_triton_decode_kernel_equals_torch_path():

@@ -30,6 +30,51 @@ from forklm.bench.floor import measure_bandwidth, measure_matmul_rate
 SHAPES = {"llama3-8b": (32, 8, 128), "mha-32": (32, 32, 128)}  # (h, g, D)
 
 
+def random_sharing(rng, b: int, block_size: int, num_blocks: int, max_shared: int = 300, max_group: int = 70,
+                   max_own: int = 40) -> list:
+    """Random work items for checking the kernel: a prefix shared by all b rows, a middle level
+    shared by random groups, each row's own tail; lengths not multiples of the block size; blocks
+    drawn from a shuffled pool, so segments are scattered."""
+    from forklm.kernels.segment_attention import SegmentItem
+
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+
+    def segment(rows, hi):
+        n = rng.randint(1, hi)
+        return SegmentItem(rows, [free.pop() for _ in range(-(-n // block_size))], n)
+
+    rows = list(range(b))
+    items = [segment(rows, max_shared)]
+    rng.shuffle(rows)
+    k = 0
+    while k < b:
+        size = rng.randint(1, max(1, b // 2))
+        if rng.random() < 0.7:
+            items.append(segment(sorted(rows[k : k + size]), max_group))
+        k += size
+    items += [segment([r], max_own) for r in range(b) if rng.random() < 0.9]
+    return items
+
+
+def reference_attention(q, k_cache, v_cache, items, block_size: int, scale: float, dtype=torch.float64):
+    """Per row: its keys materialized from all its items, softmax, weighted sum, in `dtype`.
+    Returns (o [R, h, D], lse [R, h])."""
+    R, h, D = q.shape
+    g = k_cache.shape[0]
+    o = torch.empty(R, h, D, dtype=dtype, device=q.device)
+    lse = torch.empty(R, h, dtype=dtype, device=q.device)
+    for r in range(R):
+        slots = torch.tensor([it.blocks[t // block_size] * block_size + t % block_size
+                              for it in items if r in it.rows for t in range(it.num_tokens)], device=q.device)
+        kk = k_cache[:, slots].to(dtype).repeat_interleave(h // g, 0)  # [h, S, D]
+        vv = v_cache[:, slots].to(dtype).repeat_interleave(h // g, 0)
+        s = torch.einsum("hd,hsd->hs", q[r].to(dtype), kk) * scale
+        lse[r] = torch.logsumexp(s, -1)
+        o[r] = torch.einsum("hs,hsd->hd", torch.softmax(s, -1), vv)
+    return o, lse
+
+
 def _time_ms(fn, device: torch.device, reps: int) -> float:
     fn()
     if device.type != "cuda":
