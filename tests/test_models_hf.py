@@ -128,3 +128,24 @@ def test_missing_tensor_is_named(tmp_path):
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
     with pytest.raises(ModelFileError, match="model.layers.1.mlp.down_proj.weight"):
         LlamaModel(cfg, w, torch.float32, torch.device("cpu"))
+
+
+def test_weight_layouts_agree_and_the_choice_is_fixed(tmp_path):
+    """Both layouts give the same logits; the default is a rule of (device, dtype), not a timing,
+    so every process multiplies the same way and seeded samples repeat across runs."""
+    save_random(tmp_path, "llama-gqa")
+    cfg = ModelConfig.from_json_file(tmp_path / "config.json")
+    ids = torch.randint(0, SMALL["vocab_size"], (24,), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for layout in ("in_out", "out_in", None):
+        model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"), weight_layout=layout)
+        cache = ForkedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), 1, 1, torch.float32, "cpu")
+        logits[layout] = model.forward(ids, torch.arange(len(ids)), PrefillAttention(cache))
+        if layout is None:
+            assert model.weight_layout == "in_out"  # float32 on CPU
+    assert rel_err(logits["in_out"], logits["out_in"]) < 1e-5
+    assert torch.equal(logits[None], logits["in_out"])
+    bf16 = LlamaModel(cfg, load_hf_weights(tmp_path), torch.bfloat16, torch.device("cpu"))
+    assert bf16.weight_layout == "out_in"
+    with pytest.raises(ValueError, match="weight_layout"):
+        LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"), weight_layout="rows")
