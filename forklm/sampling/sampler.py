@@ -2,9 +2,11 @@
 
 Order (as in Hugging Face's logits processors): temperature, then top-k, then top-p, then one
 inverse-CDF draw per row from a counter-based uniform (see seeds.py). A full sort of the
-vocabulary is slow on a CPU (~125 ms for 64 × 49k), so top-p first looks for the nucleus among
-the largest few probabilities and sorts the whole row only when the nucleus is wider; each row
-settles at its own width, so a row's draw does not depend on the rest of the batch.
+vocabulary is slow on a CPU (~120 ms for 64 × 49k), so top-p first looks for the nucleus among
+the 64 largest probabilities (one `topk`) and, for a row whose nucleus is wider, selects it
+without sorting: a radix select over the float32 bit patterns (`nucleus_mask`), 8x faster than
+the sort on flat rows (64 x 49k flat rows: 17 ms per draw against 140). Each row settles
+on its own, so a row's draw does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from __future__ import annotations
 import torch
 
 GREEDY_BELOW = 1e-5  # temperatures below this draw greedily (dividing by them overflows float32)
-_NUCLEUS_PROBES = (64, 1024)  # candidate widths tried before a full sort
+_NUCLEUS_PROBES = (64,)  # candidate widths tried (one topk) before the radix select
+# Radix select digits over a float32's bit pattern (shift, bins): the high 13 bits (sign,
+# exponent, 4 mantissa bits; probabilities <= 1.0 have at most 0x7F0 there), then 9, then the
+# last 10. Later levels' bins are powers of two (the digit is a mask of bins - 1).
+_RADIX_LEVELS = ((19, 0x7F0 + 1), (10, 512), (0, 1024))
 _BLOCK = 256  # inverse-CDF block width (two-level search keeps float32 sums accurate)
 
 
@@ -47,7 +53,7 @@ def filtered_candidates(
         return probs, None
     dense = torch.zeros_like(probs)  # each row's nucleus as weights over the whole vocabulary
     for rows, weights, ids in nucleus_groups(probs, top_p):
-        dense[rows] = dense[rows].scatter(1, ids, weights)
+        dense[rows] = weights if ids is None else dense[rows].scatter(1, ids, weights)
     return dense, None
 
 
@@ -57,31 +63,95 @@ def _nucleus_of_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor
     return sorted_probs.masked_fill(before >= top_p, 0.0)
 
 
-def nucleus_groups(probs: torch.Tensor, top_p: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Top-p over a full vocabulary as groups (rows, weights [r, C], ids [r, C]), sorted descending.
+def nucleus_groups(
+    probs: torch.Tensor, top_p: float
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Top-p over a full vocabulary as groups (rows, weights [r, C], ids [r, C] or None).
 
-    Each row settles at the narrowest probe width (64, 1024, then a full sort) whose largest
-    probabilities reach top_p, so its candidates, and hence its draw, never depend on the other
-    rows of the batch (the sampler is batch-invariant).
+    Each row settles at the narrowest probe width (64: weights sorted descending, ids their
+    tokens) whose largest probabilities reach top_p; rows with a wider nucleus come
+    back dense (weights [r, V] in vocabulary order, zero outside the nucleus, ids None). A row's
+    candidates, and hence its draw, never depend on the other rows (the sampler is
+    batch-invariant).
     """
     b, V = probs.shape
     rows = torch.arange(b, device=probs.device)
-    groups = []
-    for k in _NUCLEUS_PROBES + (V,):
-        sub = probs if rows.numel() == b else probs.index_select(0, rows)
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    for k in _NUCLEUS_PROBES:
         if k >= V:
-            vals, ids = torch.sort(sub, dim=-1, descending=True)
-            ok = torch.ones(rows.numel(), dtype=torch.bool, device=probs.device)
-        else:
-            vals, ids = torch.topk(sub, k, dim=-1)  # sorted descending
-            ok = vals.sum(-1) >= top_p
+            break
+        sub = probs if rows.numel() == b else probs.index_select(0, rows)
+        vals, ids = torch.topk(sub, k, dim=-1)  # sorted descending
+        ok = vals.sum(-1) >= top_p
         if bool(ok.all()):
             groups.append((rows, _nucleus_of_sorted(vals, top_p), ids))
             return groups
         if bool(ok.any()):
             groups.append((rows[ok], _nucleus_of_sorted(vals[ok], top_p), ids[ok]))
         rows = rows[~ok]
+    sub = probs if rows.numel() == b else probs.index_select(0, rows)
+    groups.append((rows, sub * nucleus_mask(sub, top_p), None))
     return groups
+
+
+def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p nucleus of each row as a mask, without sorting: [r, V] float32 >= 0 -> bool [r, V].
+
+    Same set as sorting descending and keeping each token whose preceding mass is < top_p.
+    Non-negative float32s order as their int32 bit patterns, so a radix select finds the
+    boundary: at each level, the mass per digit value of the tokens still undecided picks the
+    digit where the running mass crosses top_p; tokens with a larger digit are in, smaller are
+    out, equal ones go to the next level (only a few: after the first level, one bucket of
+    relative width 1/16 per row). Tokens left after the last level share one value; the first
+    ones by token id are kept until the mass reaches top_p (a sort breaks such ties in some
+    order too).
+    """
+    r, V = probs.shape
+    dev = probs.device
+    probs = probs.float().contiguous()
+    bits = probs.view(torch.int32)
+    # Level 1 over the whole rows. Bucket masses are float32 sums (as the float32 cumsum over a
+    # sorted row that transformers' top-p uses; float64 here cost 2x the time of the whole
+    # select), running totals float64.
+    shift, bins = _RADIX_LEVELS[0]
+    digit = (bits >> shift).long()  # [r, V]
+    mass = torch.zeros(r, bins, device=dev).scatter_add_(1, digit, probs).double()
+    above = torch.zeros(r, dtype=torch.float64, device=dev)  # mass of tokens kept so far
+    crossing, above = _crossing_digit(mass, above, top_p)
+    keep = digit > crossing.unsqueeze(1)
+    # The rest on the few undecided tokens, as a flat list (row, column).
+    row, col = torch.nonzero(digit == crossing.unsqueeze(1), as_tuple=True)
+    vals, vbits = probs[row, col].double(), bits[row, col]
+    for shift, bins in _RADIX_LEVELS[1:]:
+        d = ((vbits >> shift) & (bins - 1)).long()
+        mass = torch.zeros(r * bins, dtype=torch.float64, device=dev).index_add_(0, row * bins + d, vals)
+        crossing, above = _crossing_digit(mass.view(r, bins), above, top_p)
+        c = crossing[row]
+        keep[row[d > c], col[d > c]] = True
+        still = d == c
+        row, col, vals, vbits = row[still], col[still], vals[still], vbits[still]
+    # Ties: every token left in a row has the same value tau; keep the first m by token id,
+    # m = how many steps of tau from the mass already kept it takes to reach top_p.
+    m = torch.where(vals > 0, torch.ceil((top_p - above[row]) / vals.clamp_min(1e-300)), 0.0)
+    first = torch.ones_like(row, dtype=torch.bool)
+    first[1:] = row[1:] != row[:-1]  # nonzero() lists each row's tokens together, by column
+    start = torch.cummax(torch.where(first, torch.arange(row.numel(), device=dev), 0), 0).values
+    rank = torch.arange(row.numel(), device=dev) - start + 1  # 1-based within the row
+    sel = rank <= m
+    keep[row[sel], col[sel]] = True
+    return keep
+
+
+def _crossing_digit(
+    mass: torch.Tensor, above: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mass [r, bins] float64 per digit value, above [r] mass already kept -> (crossing digit [r],
+    mass kept once the digits above the crossing one are in [r])."""
+    at_or_above = mass.flip(1).cumsum(1).flip(1)  # [r, bins]: mass of digits >= j
+    # the largest j whose mass at or above still reaches top_p (rounding short of it: keep all)
+    crossing = ((above.unsqueeze(1) + at_or_above) >= top_p).sum(1).sub(1).clamp_min(0)
+    c = crossing.unsqueeze(1)
+    return crossing, above + (at_or_above.gather(1, c) - mass.gather(1, c)).squeeze(1)
 
 
 def draw_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -131,7 +201,7 @@ def sample_tokens(
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         for rows, weights, ids in nucleus_groups(probs, top_p):
             j = draw_inverse_cdf(weights, u[rows.cpu()])
-            out[rows] = ids.gather(1, j.unsqueeze(1)).squeeze(1)
+            out[rows] = j if ids is None else ids.gather(1, j.unsqueeze(1)).squeeze(1)
         return out
     weights, ids = filtered_candidates(logits, temperature, top_k, top_p)
     j = draw_inverse_cdf(weights, u)
