@@ -25,7 +25,8 @@ def collect_stream(chunks, chat: bool) -> tuple[dict, dict, dict, list]:
                 assert ch.index not in finish, "a choice finished twice"
                 finish[ch.index] = ch.finish_reason
             if ch.logprobs is not None:
-                entries = ch.logprobs.content if chat else list(zip(ch.logprobs.tokens, ch.logprobs.token_logprobs))
+                entries = ch.logprobs.content if chat else list(
+                    zip(ch.logprobs.tokens, ch.logprobs.token_logprobs, ch.logprobs.text_offset))
                 lps.setdefault(ch.index, []).extend(entries or [])
     return texts, finish, lps, usage
 
@@ -47,6 +48,11 @@ def test_completions_equal_llm_sample(forklm_server, smollm2_f32):
             assert 3 <= len(alts) <= 4
             assert max(alts.values()) == pytest.approx(s.top_logprobs[pos][0][1], abs=1e-3)
         assert "".join(c.logprobs.tokens) == s.text or s.finish_reason == "stop"
+        # each token's text_offset points at its text inside the completion
+        for tok, off in zip(c.logprobs.tokens, c.logprobs.text_offset):
+            if not tok.startswith("bytes:") and off < len(c.text):
+                assert c.text[off:].startswith(tok) or c.text[off:] == tok[: len(c.text) - off]
+        assert c.logprobs.text_offset == sorted(c.logprobs.text_offset)
         assert c.model_extra["mean_logprob"] == pytest.approx(s.mean_logprob, abs=1e-4)
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert r.usage.completion_tokens == sum(len(s.token_ids) for s in ref.samples)
@@ -62,8 +68,9 @@ def test_completions_stream_equals_whole(forklm_server):
     for c in whole.choices:
         assert texts[c.index] == c.text
         assert finish[c.index] == c.finish_reason
-        assert [t for t, _ in lps[c.index]] == c.logprobs.tokens
-        assert [v for _, v in lps[c.index]] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
+        assert [t for t, _, _ in lps[c.index]] == c.logprobs.tokens
+        assert [v for _, v, _ in lps[c.index]] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
+        assert [o for _, _, o in lps[c.index]] == c.logprobs.text_offset
     assert len(usage) == 1 and usage[0].completion_tokens == whole.usage.completion_tokens
 
 

@@ -117,3 +117,41 @@ def test_stop_string_ending_in_a_split_character_is_found(tok):
     params = SamplingParams(max_tokens=len(ids), stop=("本語",))
     _, final, reason = run_stream(tok, ids, params, set())
     assert reason == "stop" and final == "x 日"
+
+
+def test_text_offsets_point_at_each_tokens_first_character(tok, token_pool):
+    """text_offset[i] = characters of the text before token i; a token that starts inside a
+    multi-byte character points at that character. Chunked (streamed) equals all at once."""
+    from forklm.server.text_stream import TextOffsets
+
+    pool, partial, _ = token_pool
+    rng = random.Random(7)
+    for trial in range(200):
+        ids = [rng.choice(partial if rng.random() < 0.3 else pool) for _ in range(rng.randint(1, 30))]
+        whole = TextOffsets(tok.token_bytes).next(ids)
+        chunked, stream = [], TextOffsets(tok.token_bytes)
+        i = 0
+        while i < len(ids):
+            j = i + rng.randint(1, 4)
+            chunked += stream.next(ids[i:j])
+            i = j
+        assert chunked == whole
+        raw = b""
+        for t, off in zip(ids, whole):
+            # the complete characters before the token, as the decoded text counts them
+            text = raw.decode("utf-8", errors="replace")
+            complete = len(text) - (1 if text.endswith("\ufffd") and _incomplete_tail(raw) else 0)
+            assert off == complete, (trial, ids, whole)
+            raw += tok.token_bytes(t)
+    ascii_ids = tok.encode("def f(x):\n    return x\n", add_special_tokens=False)
+    offs = TextOffsets(tok.token_bytes).next(ascii_ids)
+    assert offs == [sum(len(tok.token_bytes(t)) for t in ascii_ids[:k]) for k in range(len(ascii_ids))]
+
+
+def _incomplete_tail(raw: bytes) -> bool:
+    """True when raw ends inside a UTF-8 character that more bytes could still complete."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    dec.decode(raw)
+    return bool(dec.getstate()[0])

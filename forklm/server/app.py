@@ -39,7 +39,7 @@ from forklm.sampling.params import SamplingParams
 from forklm.server.errors import APIError, invalid, param_of_message
 from forklm.server.metrics import ServerMetrics
 from forklm.server.protocol import ChatBody, CompletionBody, parse_body
-from forklm.server.text_stream import SampleTextStream
+from forklm.server.text_stream import SampleTextStream, TextOffsets
 
 
 @dataclass
@@ -198,18 +198,16 @@ class _Server:
 
     # ------------------------------------------------------------------ responses
     def completion_logprobs(self, sample_ids: list[int], lps: list[float], tops: list | None, k: int,
-                            offset: int = 0) -> dict:
+                            offsets: TextOffsets | None = None) -> dict:
+        """`offsets` carries a streamed sample's position from chunk to chunk (None: from 0)."""
         tokens = [self.token_text(t) for t in sample_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
+        offsets = offsets or TextOffsets(self.llm.tokenizer.token_bytes)
         top = []
         for i, (t, lp) in enumerate(zip(tokens, lps)):
             alts = {self.token_text(a): v for a, v in (tops[i] if tops else [])[:k]}
             alts.setdefault(t, lp)
             top.append(alts)
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets.next(sample_ids)}
 
     def chat_logprobs(self, sample_ids: list[int], lps: list[float], tops: list | None, k: int) -> list[dict]:
         out = []
@@ -492,7 +490,7 @@ class _Responder:
         n = self.body.n
         texts = {(p, i): SampleTextStream(self.server.llm.tokenizer.decode, job.params.stop)
                  for p, job in enumerate(self.jobs) for i in range(n)}
-        offsets = {key: 0 for key in texts}
+        offsets = {key: TextOffsets(self.server.llm.tokenizer.token_bytes) for key in texts}
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         tasks = [asyncio.create_task(pump(p, job)) for p, job in enumerate(self.jobs)]
@@ -557,7 +555,6 @@ class _Responder:
                 lp = None
                 if self.want_logprobs:
                     lp = srv.completion_logprobs(ids, lps, tops, self.k, offsets[key])
-                    offsets[key] += sum(len(t) for t in lp["tokens"])
                 choices.append({"index": p * n + i, "text": piece, "logprobs": lp, "finish_reason": finish})
         return choices
 

@@ -1,4 +1,5 @@
-"""A sample's text, streamed as its tokens arrive, so that the pieces add up to the final text.
+"""A sample's text, streamed as its tokens arrive, so that the pieces add up to the final text;
+and the character offsets of its tokens (`TextOffsets`).
 
 Two things may still change the end of the text decoded so far: a token that ends inside a
 UTF-8 character (its bytes decode to U+FFFD until the rest arrives) and a stop string that has
@@ -10,6 +11,7 @@ treat a leading space specially (SentencePiece) see the same context as a full d
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable
 
 
@@ -46,4 +48,28 @@ class SampleTextStream:
             return ""
         out = self.text[self.sent : upto]
         self.sent = upto
+        return out
+
+
+class TextOffsets:
+    """`text_offset` of the completions API: the character at which each token starts in the text.
+
+    Counted from the tokens' bytes with an incremental UTF-8 decoder, so a token that ends inside
+    a multi-byte character adds no character until the character completes, and a token that
+    starts inside one points at that character. (Counting the lengths of the tokens' labels, as
+    "bytes:\\xe4" for such pieces, overcounts.) Invalid bytes count one U+FFFD each, as in the
+    decoded text.
+    """
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self.token_bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0  # characters completed so far
+
+    def next(self, token_ids: list[int]) -> list[int]:
+        """Offsets of these tokens (which follow the ones already given)."""
+        out = []
+        for t in token_ids:
+            out.append(self.chars)
+            self.chars += len(self._decoder.decode(self.token_bytes(t)))
         return out
