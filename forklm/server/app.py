@@ -387,7 +387,9 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             data = await _read_json(request, config.max_body_bytes)
             body = parse_body(ChatBody if kind == "chat" else CompletionBody, data)
             check_model(body.model)
-            jobs = server.jobs_for(body)
+            # tokenizing (and rendering a chat template) a long prompt takes milliseconds:
+            # off the event loop, so streams in flight keep flowing meanwhile
+            jobs = await asyncio.to_thread(server.jobs_for, body)
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             server.submit(jobs, stream_tokens=body.stream, request_id=rid)
             response = _Responder(server, body, jobs, rid, kind, request)
