@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ns", default="1,8,32,64", help="sample counts n (default: 1,8,32,64)")
     b.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sample (default: 64)")
     b.add_argument("--paths", default="standard,bifurcated,auto", help="forklm attention paths to time")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="run the forklm paths this many times per point, interleaved, and report each "
+                        "path's fastest run (default: 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face transformers baseline")
     b.add_argument("--transformers-max-n", type=int, default=64, help="largest n run through transformers")
     b.add_argument("--transformers-max-tokens", type=int, default=2048 * 64,

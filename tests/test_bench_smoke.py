@@ -75,10 +75,26 @@ def test_bench_skips_transformers_over_budget(tmp_path):
     assert hf[2]["step_ms_median"] is None
 
 
+def test_bench_repeats_interleave_and_keep_the_fastest(tmp_path):
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--model", str(model), "--dtype", "float32", "--contexts", "16", "--ns", "2",
+               "--new-tokens", "3", "--paths", "standard,bifurcated", "--no-transformers", "--repeats", "3",
+               "--out", str(out), "--plot", str(tmp_path / "r.png")])
+    assert rc == 0
+    points = json.loads(out.read_text())["points"]
+    assert [p["impl"] for p in points] == ["forklm-standard", "forklm-bifurcated"]
+    for p in points:
+        assert len(p["step_ms_repeats"]) == 3
+        assert p["step_ms_median"] == min(p["step_ms_repeats"])
+
+
 def test_bench_rejects_bad_options(tmp_path, capsys):
     assert main(["bench", "--model", str(tmp_path), "--new-tokens", "1"]) == 2
     assert "--new-tokens" in capsys.readouterr().err
     assert main(["bench", "--model", str(tmp_path), "--paths", "fast"]) == 2
+    assert main(["bench", "--model", str(tmp_path), "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
 
 
 def test_bench_serve_smoke(tmp_path, capsys):

@@ -290,6 +290,7 @@ class SweepConfig:
     transformers: bool
     transformers_max_n: int
     transformers_max_tokens: int
+    repeats: int = 1  # forklm paths run this many times per point, interleaved; the fastest counts
 
 
 def _point(m_c: int, n: int, impl: str, measured: Measured | None, floor: Any, skipped: str | None) -> dict:
@@ -330,7 +331,12 @@ def _transformers_skip_reason(cfg: SweepConfig, m_c: int, n: int, hf: Transforme
 
 def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRunner | None,
               hf_error: str | None, progress: Any) -> list[dict]:
-    """All points, m_c outer, n inner, implementations innermost. Failing points are recorded as skipped."""
+    """All points, m_c outer, n inner, implementations innermost. Failing points are recorded as skipped.
+
+    With cfg.repeats > 1 the forklm paths run round-robin (standard, bifurcated, auto, standard,
+    ...), so a slow spell of a shared machine hits every path alike, and each path reports its
+    fastest run (its other runs' median steps are kept as step_ms_repeats).
+    """
     forklm = ForkLMRunner(llm)
     e = torch.finfo(llm.dtype).bits // 8
     weight_bytes = step_weight_bytes(
@@ -343,32 +349,39 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
         prompt = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, m_c)
         for n in cfg.ns:
             floor = step_floor(llm.config, weight_bytes, e, n, m_c, cfg.new_tokens, ceilings)
-            for impl in impls:
+            runs: dict[str, list[Measured]] = {impl: [] for impl in impls}
+            skips: dict[str, str | None] = {impl: None for impl in impls}
+            if m_c + cfg.new_tokens > limit:
+                skips = {impl: f"m_c + new_tokens = {m_c + cfg.new_tokens} > the model's context length {limit}"
+                         for impl in impls}
+            elif HF_IMPL in skips:
+                skips[HF_IMPL] = _transformers_skip_reason(cfg, m_c, n, hf, hf_error)
+            order = [i for _ in range(cfg.repeats) for i in impls if i != HF_IMPL] + [i for i in impls if i == HF_IMPL]
+            for impl in order:
                 progress.set_description(f"m_c={m_c} n={n} {impl}")
-                skipped = None
-                if m_c + cfg.new_tokens > limit:
-                    skipped = f"m_c + new_tokens = {m_c + cfg.new_tokens} > the model's context length {limit}"
-                elif impl == HF_IMPL:
-                    skipped = _transformers_skip_reason(cfg, m_c, n, hf, hf_error)
-                measured = None
-                if skipped is None:
+                if skips[impl] is None:
                     try:
                         if impl == HF_IMPL:
-                            measured = hf.run(prompt, n, cfg.new_tokens)
+                            runs[impl].append(hf.run(prompt, n, cfg.new_tokens))
                         else:
-                            measured = forklm.run(impl.removeprefix("forklm-"), prompt, n, cfg.new_tokens)
+                            runs[impl].append(forklm.run(impl.removeprefix("forklm-"), prompt, n, cfg.new_tokens))
+                        progress.set_postfix_str(f"{runs[impl][-1].step_s * 1e3:.2f} ms/step")
                     except (MemoryError, ValueError, RuntimeError) as err:
                         if isinstance(err, RuntimeError) and not _is_oom(err):
                             raise
-                        skipped = f"{type(err).__name__}: {err}"
+                        skips[impl] = f"{type(err).__name__}: {err}"
                     finally:
                         gc.collect()
                         if llm.device.type == "cuda":
                             torch.cuda.empty_cache()
-                points.append(_point(m_c, n, impl, measured, floor, skipped))
-                if measured is not None:
-                    progress.set_postfix_str(f"{measured.step_s * 1e3:.2f} ms/step")
                 progress.update(1)
+            for impl in impls:
+                measured = None
+                if skips[impl] is None and runs[impl]:
+                    measured = min(runs[impl], key=lambda m: m.step_s)
+                    if len(runs[impl]) > 1:
+                        measured.extra["step_ms_repeats"] = [m.step_s * 1e3 for m in runs[impl]]
+                points.append(_point(m_c, n, impl, measured, floor, skips[impl]))
     return points
 
 
@@ -499,7 +512,10 @@ def sweep_config(args: argparse.Namespace) -> SweepConfig:
         transformers=not args.no_transformers,
         transformers_max_n=int(args.transformers_max_n),
         transformers_max_tokens=int(getattr(args, "transformers_max_tokens", 2048 * 64)),
+        repeats=int(getattr(args, "repeats", 1)),
     )
+    if cfg.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {cfg.repeats}")
     if cfg.new_tokens < 2:
         raise ValueError(f"--new-tokens must be at least 2 (a decode step needs a second token), got {cfg.new_tokens}")
     if not cfg.paths and not cfg.transformers:
@@ -555,7 +571,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if hf is not None:
         hf.warm_up(warm)
 
-    impls = len(cfg.paths) + int(cfg.transformers)
+    impls = len(cfg.paths) * cfg.repeats + int(cfg.transformers)
     progress = _progress(len(cfg.contexts) * len(cfg.ns) * impls)
     try:
         points = run_sweep(llm, cfg, ceilings, hf, hf_error, progress)
