@@ -155,3 +155,69 @@ def _incomplete_tail(raw: bytes) -> bool:
     dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
     dec.decode(raw)
     return bool(dec.getstate()[0])
+
+
+def reference_check_finished(st, params, stop_ids, decode) -> bool:
+    """check_finished as it was: the whole sample decoded at every step."""
+    tok = st.token_ids[-1]
+    can_stop = len(st.token_ids) > params.min_tokens
+    if can_stop and tok in stop_ids:
+        st.finish_reason, st.stop_reason = "stop", tok
+        return True
+    if params.stop:
+        text = decode(st.token_ids)
+        if can_stop:
+            start = max(0, st.checked - max(len(s) for s in params.stop) + 1)
+            hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
+            if hits:
+                pos, s = min(hits)
+                st.text, st.finish_reason, st.stop_reason = text[:pos], "stop", s
+                return True
+        st.checked = len(text.rstrip("\ufffd"))
+    if len(st.token_ids) >= params.max_tokens:
+        st.finish_reason = "length"
+        return True
+    return False
+
+
+def test_windowed_stop_check_equals_decoding_everything(tok, token_pool):
+    """Long samples (the stop check decodes a window of the latest tokens): the same step, text
+    and reason as decoding the whole sample every step, with runs of special tokens (no
+    characters) and split characters inside and at the edge of the window."""
+    common, partial, special = token_pool
+    rng = random.Random(99)
+    stopped = 0
+    for trial in range(700):
+        n = rng.randint(20, 140)
+        ids = []
+        while len(ids) < n:
+            r = rng.random()
+            if r < 0.05:
+                ids += [rng.choice(special)] * rng.randint(1, 30)  # a run of empty text
+            else:
+                ids.append(rng.choice(common) if r < 0.7 else rng.choice(partial) if r < 0.9
+                           else rng.randrange(tok.vocab_size))
+        ids = ids[:n]
+        full = tok.decode(ids)
+        stops = []
+        for _ in range(rng.randint(1, 4)):
+            if full and rng.random() < 0.8:
+                a = rng.randrange(len(full))
+                stops.append(full[a:rng.randint(a + 1, min(len(full), a + 12))])
+            else:
+                stops.append(rng.choice(["\n", "ö", "😀", "return", "本語"]))
+        stops = tuple(dict.fromkeys(s for s in stops if s))[:4]
+        min_tokens = rng.randint(0, n // 2) if rng.random() < 0.3 else 0
+        params = SamplingParams(max_tokens=n, min_tokens=min_tokens, stop=stops, ignore_eos=True)
+        got, ref = SampleState(0), SampleState(0)
+        for t in ids:
+            for st in (got, ref):
+                st.token_ids.append(t)
+            a = check_finished(got, params, set(), tok.decode)
+            b = reference_check_finished(ref, params, set(), tok.decode)
+            assert a == b, (trial, len(got.token_ids), stops)
+            if a:
+                break
+        assert (got.finish_reason, got.stop_reason, got.text) == (ref.finish_reason, ref.stop_reason, ref.text)
+        stopped += got.finish_reason == "stop"
+    assert stopped > 300

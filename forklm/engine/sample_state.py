@@ -111,27 +111,60 @@ def _record_top_logprobs(logits: torch.Tensor, states: Sequence[SampleState], pa
 def check_finished(
     st: SampleState, params: SamplingParams, stop_ids: set[int], decode: Callable[[list[int]], str]
 ) -> bool:
-    """Records why a sample ends after its latest token, if it does."""
+    """Records why a sample ends after its latest token, if it does.
+
+    Stop strings: each step decodes only a window of the latest tokens (O(1) per step, not the
+    whole sample); only when a stop string shows up there is the whole sample decoded, to cut
+    its text exactly where the stop string starts.
+    """
     tok = st.token_ids[-1]
     can_stop = len(st.token_ids) > params.min_tokens
     if can_stop and tok in stop_ids:
         st.finish_reason, st.stop_reason = "stop", tok
         return True
     if params.stop:
-        text = decode(st.token_ids)
-        if not can_stop:  # stop strings count only after min_tokens
-            st.checked = len(text.rstrip("\ufffd"))  # an incomplete last character may still change
+        if not can_stop:  # stop strings count only after min_tokens: remember where the text was
+            if len(st.token_ids) == params.min_tokens:
+                st.checked = len(decode(st.token_ids).rstrip("\ufffd"))  # an incomplete character may still change
             return _length_reached(st, params)
-        longest = max(len(s) for s in params.stop)
-        start = max(0, st.checked - longest + 1)
-        hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
-        st.checked = len(text.rstrip("\ufffd"))  # an incomplete last character may still change
-        if hits:
-            pos, s = min(hits)
-            st.text = text[:pos]
-            st.finish_reason, st.stop_reason = "stop", s
-            return True
+        if stop_in_tail(st.token_ids, params.stop, decode):
+            text = decode(st.token_ids)
+            longest = max(len(s) for s in params.stop)
+            start = max(0, st.checked - longest + 1)
+            hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
+            if hits:
+                pos, s = min(hits)
+                st.text = text[:pos]
+                st.finish_reason, st.stop_reason = "stop", s
+                return True
     return _length_reached(st, params)
+
+
+_EDGE_CHARS = 4  # characters at a window's start that may differ from the whole text's
+
+
+def stop_in_tail(ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]) -> bool:
+    """Whether a stop string occurs in the text of the latest tokens (a superset test: every stop
+    string the latest token completes is found; older ones may be too).
+
+    The decoded window, less its first few characters, is a suffix of the whole text: a window
+    may start inside a UTF-8 character (U+FFFD for each stray byte) or lose a leading space
+    (SentencePiece), nothing further. A new occurrence ends inside the latest token's text, so
+    the window grows until that suffix holds the longest stop string before all of that text
+    (plus a character the latest token may have completed).
+    """
+    longest = max(len(s) for s in stops)
+    need = longest + len(decode(ids[-1:])) + 2 * _EDGE_CHARS
+    width = longest + 8
+    while True:
+        start = max(0, len(ids) - width)
+        tail = decode(ids[start:])
+        if start > 0:
+            if len(tail) < need:
+                width *= 2  # special tokens, or pieces of characters: too few characters yet
+                continue
+            tail = tail[_EDGE_CHARS:]
+        return any(s in tail for s in stops)
 
 
 def _length_reached(st: SampleState, params: SamplingParams) -> bool:
