@@ -57,6 +57,18 @@ def run_stream(tok, ids, params, stop_ids):
     raise AssertionError("max_tokens = len(ids) must finish the sample")
 
 
+def random_stops(rng: random.Random, full: str, count: int, p_piece: float, span: int, others: list[str]) -> tuple:
+    """Up to 4 distinct stop strings: pieces of the text (often spanning tokens), or from `others`."""
+    stops = []
+    for _ in range(count):
+        if full and rng.random() < p_piece:
+            a = rng.randrange(len(full))
+            stops.append(full[a:rng.randint(a + 1, min(len(full), a + span))])
+        else:
+            stops.append(rng.choice(others))
+    return tuple(dict.fromkeys(s for s in stops if s))[:4]
+
+
 def test_pieces_add_up_to_the_final_text(tok, token_pool):
     common, partial, special = token_pool
     rng = random.Random(1234)
@@ -69,14 +81,7 @@ def test_pieces_add_up_to_the_final_text(tok, token_pool):
             ids.append(rng.choice(common) if r < 0.6 else rng.choice(partial) if r < 0.8
                        else rng.choice(special) if r < 0.85 else rng.randrange(tok.vocab_size))
         full = tok.decode(ids)
-        stops = []
-        for _ in range(rng.randint(0, 4)):
-            if full and rng.random() < 0.75:  # a piece of the text, often spanning tokens
-                a = rng.randrange(len(full))
-                stops.append(full[a:rng.randint(a + 1, min(len(full), a + 6))])
-            else:
-                stops.append(rng.choice(["\n", "x", "ö", "😀", "return", "本語"]))
-        stops = tuple(dict.fromkeys(s for s in stops if s))[:4]
+        stops = random_stops(rng, full, rng.randint(0, 4), 0.75, 6, ["\n", "x", "ö", "😀", "return", "本語"])
         stop_ids = set(rng.sample(special, 2)) if rng.random() < 0.3 else set()
         min_tokens = rng.randint(0, min(3, n)) if rng.random() < 0.3 else 0
         params = SamplingParams(max_tokens=n, min_tokens=min_tokens, stop=stops, stop_token_ids=tuple(stop_ids),
@@ -199,14 +204,7 @@ def test_windowed_stop_check_equals_decoding_everything(tok, token_pool):
                            else rng.randrange(tok.vocab_size))
         ids = ids[:n]
         full = tok.decode(ids)
-        stops = []
-        for _ in range(rng.randint(1, 4)):
-            if full and rng.random() < 0.8:
-                a = rng.randrange(len(full))
-                stops.append(full[a:rng.randint(a + 1, min(len(full), a + 12))])
-            else:
-                stops.append(rng.choice(["\n", "ö", "😀", "return", "本語"]))
-        stops = tuple(dict.fromkeys(s for s in stops if s))[:4]
+        stops = random_stops(rng, full, rng.randint(1, 4), 0.8, 12, ["\n", "ö", "😀", "return", "本語"])
         min_tokens = rng.randint(0, n // 2) if rng.random() < 0.3 else 0
         params = SamplingParams(max_tokens=n, min_tokens=min_tokens, stop=stops, ignore_eos=True)
         got, ref = SampleState(0), SampleState(0)
