@@ -197,3 +197,16 @@ def test_wide_nucleus_draw_is_the_inverse_cdf_of_the_reference():
     assert bool((ref[toks] > 0).all())  # never outside the nucleus
     near_edge = (cum[expect.clamp_max(V - 1)] / cum[-1] - us).abs() < 1e-6
     assert bool(((toks == expect) | near_edge).all())
+
+
+def test_broken_rows_do_not_crash_sampling():
+    """NaN or all -inf logits (a model gone wrong, an fp16 overflow) still give a token id in
+    range for every sampler path instead of an exception that would stop the engine."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(1)) * 0.1
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, :10] = float("nan")
+    u = torch.rand(4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for temperature, top_k, top_p in [(1.0, 0, 0.9), (0.7, 0, 0.5), (1.0, 40, 0.9), (1.0, 0, 1.0), (0.0, 0, 1.0)]:
+        toks = sample_tokens(logits, temperature, top_k, top_p, u)
+        assert toks.shape == (4,) and bool(((toks >= 0) & (toks < 3000)).all())

@@ -219,3 +219,43 @@ def test_windowed_stop_check_equals_decoding_everything(tok, token_pool):
         assert (got.finish_reason, got.stop_reason, got.text) == (ref.finish_reason, ref.stop_reason, ref.text)
         stopped += got.finish_reason == "stop"
     assert stopped > 300
+
+
+def test_windowed_stop_check_with_a_byte_fallback_tokenizer():
+    """SentencePiece-style byte fallback (forklm's GGUF 'llama' tokenizers, Llama-2, Mistral): a
+    window that cuts a run of <0xNN> tokens decodes the whole run as U+FFFDs; stop strings (a
+    newline is a byte token there) are still found at the same step as decoding everything."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["\u2581", "\u2581a", "b", "\u2581hi", "\u2581ok", "x"]:
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+
+    def decode(ids):
+        return backend.decode(list(ids), skip_special_tokens=True)
+
+    rng = random.Random(5)
+    words = ["鬱", "ฃ", "🙂", "😀", "é", " hi", " ok", " a", "b", "x", "\n", "\t"]
+    stopped = 0
+    for trial in range(400):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(5, 60)))
+        ids = backend.encode(text, add_special_tokens=False).ids
+        stops = random_stops(rng, decode(ids), rng.randint(1, 3), 0.6, 5, ["\n", "😀", "鬱鬱", " ok"])
+        params = SamplingParams(max_tokens=len(ids), stop=stops, ignore_eos=True)
+        got, ref = SampleState(0), SampleState(0)
+        for t in ids:
+            got.token_ids.append(t)
+            ref.token_ids.append(t)
+            a = check_finished(got, params, set(), decode)
+            assert a == reference_check_finished(ref, params, set(), decode), (trial, text, stops)
+            if a:
+                break
+        assert (got.finish_reason, got.stop_reason, got.text) == (ref.finish_reason, ref.stop_reason, ref.text)
+        stopped += got.finish_reason == "stop"
+    assert stopped > 150

@@ -149,9 +149,12 @@ def stop_in_tail(ids: list[int], stops: Sequence[str], decode: Callable[[list[in
 
     The decoded window, less its first few characters, is a suffix of the whole text: a window
     may start inside a UTF-8 character (U+FFFD for each stray byte) or lose a leading space
-    (SentencePiece), nothing further. A new occurrence ends inside the latest token's text, so
-    the window grows until that suffix holds the longest stop string before all of that text
-    (plus a character the latest token may have completed).
+    (SentencePiece). One more case: a byte-fallback decoder (SentencePiece `<0xNN>` tokens)
+    turns a whole run of byte tokens into U+FFFDs when the run, cut by the window's start, is
+    not valid UTF-8; so while the character after the cut edge is U+FFFD the window grows too.
+    A new occurrence ends inside the latest token's text, so the window grows until that suffix
+    holds the longest stop string before all of that text (plus a character the latest token
+    may have completed).
     """
     longest = max(len(s) for s in stops)
     need = longest + len(decode(ids[-1:])) + 2 * _EDGE_CHARS
@@ -160,8 +163,8 @@ def stop_in_tail(ids: list[int], stops: Sequence[str], decode: Callable[[list[in
         start = max(0, len(ids) - width)
         tail = decode(ids[start:])
         if start > 0:
-            if len(tail) < need:
-                width *= 2  # special tokens, or pieces of characters: too few characters yet
+            if len(tail) < need or tail[_EDGE_CHARS] == "\ufffd":
+                width *= 2  # special tokens, pieces of characters, a cut byte run: widen
                 continue
             tail = tail[_EDGE_CHARS:]
         return any(s in tail for s in stops)

@@ -114,7 +114,7 @@ def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     # sorted row that transformers' top-p uses; float64 here cost 2x the time of the whole
     # select), running totals float64.
     shift, bins = _RADIX_LEVELS[0]
-    digit = (bits >> shift).long()  # [r, V]
+    digit = (bits >> shift).long().clamp_(0, bins - 1)  # [r, V]; clamped: NaN rows (a broken model) must not crash
     mass = torch.zeros(r, bins, device=dev).scatter_add_(1, digit, probs).double()
     above = torch.zeros(r, dtype=torch.float64, device=dev)  # mass of tokens kept so far
     crossing, above = _crossing_digit(mass, above, top_p)
@@ -175,13 +175,13 @@ def draw_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     blk = blk.clamp_max(blocks.shape[1] - 1)
     # Skip empty trailing blocks a rounding edge might land on.
     before = torch.where(blk > 0, block_cum.gather(1, (blk - 1).clamp_min(0).unsqueeze(1)).squeeze(1), 0.0)
-    inner = blocks[torch.arange(b), blk].double()  # [b, _BLOCK]
+    inner = blocks[torch.arange(b, device=weights.device), blk].double()  # [b, _BLOCK]
     inner_cum = torch.cumsum(inner, dim=-1)
     rest = (target - before).clamp_min(0.0).unsqueeze(1)
     j = torch.searchsorted(inner_cum, rest, right=True).squeeze(1).clamp_max(_BLOCK - 1)
     # A rounding edge can point at a zero-weight slot: move to the last nonzero slot at or before it.
     nonzero = inner > 0
-    idx = torch.arange(_BLOCK).expand(b, _BLOCK)
+    idx = torch.arange(_BLOCK, device=weights.device).expand(b, _BLOCK)
     last_nz = torch.where(nonzero & (idx <= j.unsqueeze(1)), idx, -1).max(dim=1).values
     j = torch.where(nonzero.gather(1, j.unsqueeze(1)).squeeze(1), j, last_nz.clamp_min(0))
     return blk * _BLOCK + j
@@ -196,11 +196,12 @@ def sample_tokens(
 ) -> torch.Tensor:  # [b] int64 token ids
     if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
+    u = u.to(logits.device)  # the uniforms are made on the host
     if top_p < 1.0 and not (top_k and top_k < logits.shape[-1]):
         probs = torch.softmax(logits / temperature, dim=-1)
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         for rows, weights, ids in nucleus_groups(probs, top_p):
-            j = draw_inverse_cdf(weights, u[rows.cpu()])
+            j = draw_inverse_cdf(weights, u[rows])
             out[rows] = j if ids is None else ids.gather(1, j.unsqueeze(1)).squeeze(1)
         return out
     weights, ids = filtered_candidates(logits, temperature, top_k, top_p)
