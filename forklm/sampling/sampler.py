@@ -97,7 +97,8 @@ def nucleus_groups(
 def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The top-p nucleus of each row as a mask, without sorting: [r, V] float32 >= 0 -> bool [r, V].
 
-    Same set as sorting descending and keeping each token whose preceding mass is < top_p.
+    Same set as sorting descending and keeping each token whose preceding mass is < top_p (up to
+    float32 rounding of the sums, as with a float32 cumsum over the sorted row).
     Non-negative float32s order as their int32 bit patterns, so a radix select finds the
     boundary: at each level, the mass per digit value of the tokens still undecided picks the
     digit where the running mass crosses top_p; tokens with a larger digit are in, smaller are
@@ -115,7 +116,7 @@ def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     # select), running totals float64.
     shift, bins = _RADIX_LEVELS[0]
     digit = (bits >> shift).long().clamp_(0, bins - 1)  # [r, V]; clamped: NaN rows (a broken model) must not crash
-    mass = torch.zeros(r, bins, device=dev).scatter_add_(1, digit, probs).double()
+    mass = torch.zeros(r, bins, dtype=torch.float32, device=dev).scatter_add_(1, digit, probs).double()
     above = torch.zeros(r, dtype=torch.float64, device=dev)  # mass of tokens kept so far
     crossing, above = _crossing_digit(mass, above, top_p)
     keep = digit > crossing.unsqueeze(1)
