@@ -9,14 +9,27 @@ from hypothesis import strategies as st
 from forklm.cache.block_pool import BlockPool
 
 
-def test_allocation_order_is_fifo_over_the_free_list():
-    pool = BlockPool(6, block_size=4)
+def test_allocation_prefers_one_contiguous_run_then_lowest_ids():
+    pool = BlockPool(8, block_size=4)
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(3) == [2, 3, 4]
-    assert pool.decref([1, 3]) == 2  # freed blocks join the end of the free list
-    assert pool.allocate(3) == [5, 1, 3]
+    assert pool.decref([1, 3]) == 2
+    assert pool.allocate(2) == [5, 6]  # a run exists past the holes: it wins
+    assert pool.allocate(3) == [1, 3, 7]  # no run of 3: the lowest free ids
     assert pool.allocate(0) == []
     assert pool.num_free == 0
+
+
+def test_allocate_run_and_allocate_at():
+    pool = BlockPool(8, block_size=4)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.decref([1])
+    assert pool.allocate_run(2) == [3, 4]  # block 1 alone is too short
+    assert pool.allocate_at(5, 2) == [5, 6]  # extend a run in place
+    assert pool.allocate_at(6, 2) is None and pool.allocate_at(7, 2) is None  # taken / past the end
+    assert pool.allocate_run(2) is None and pool.num_free == 2  # 1 and 7: no run of 2
+    assert pool.allocate_run(1) == [1]
+    pool.check_integrity({"a": [0, 2, 3, 4, 5, 6, 1]})
 
 
 def test_refcounts_follow_holders():
@@ -57,7 +70,7 @@ def test_cache_reference_keeps_blocks_out_of_the_free_list():
     assert (pool.num_cached, pool.num_in_use) == (1, 1)
     assert pool.drop_cache_ref(a) == 1  # eviction frees block 0; block 1 lives on with its sequence
     assert pool.refcount(1) == 1 and not pool.is_cached(1)
-    assert pool.allocate(2) == [2, 0]
+    assert pool.allocate(2) == [0, 2]
     pool.check_integrity({"s": [1], "t": [2, 0]})
 
 
@@ -84,10 +97,10 @@ def test_misuse_raises_and_changes_nothing(action, message):
     pool.allocate(3)  # 0, 1, 2 held by one sequence
     pool.add_cache_ref([1])
     pool.decref([1])  # block 1: cached only
-    before = ([pool.refcount(b) for b in range(4)], list(pool._free), pool.cached_blocks())
+    before = ([pool.refcount(b) for b in range(4)], bytes(pool._free_map), pool.cached_blocks())
     with pytest.raises(ValueError, match=message):
         action(pool)
-    assert ([pool.refcount(b) for b in range(4)], list(pool._free), pool.cached_blocks()) == before
+    assert ([pool.refcount(b) for b in range(4)], bytes(pool._free_map), pool.cached_blocks()) == before
     pool.check_integrity({"s": [0, 2]})
 
 
@@ -109,12 +122,13 @@ def _corrupt_referenced_free(p):
     p._refcount[3] = 1  # free block with a reference
 
 
-def _corrupt_duplicate_free(p):
-    p._free.append(3)
+def _corrupt_free_count(p):
+    p._num_free += 1
 
 
 def _corrupt_leak(p):
-    p._free.remove(3)  # refcount 0 but not free: leaked
+    p._free_map[3] = 0  # refcount 0 but not free: leaked
+    p._num_free -= 1
 
 
 def _corrupt_cached_free(p):
@@ -125,7 +139,7 @@ def _corrupt_cached_free(p):
     "corrupt, message",
     [
         (_corrupt_referenced_free, "free but referenced \\[3\\]"),
-        (_corrupt_duplicate_free, "duplicates"),
+        (_corrupt_free_count, "num_free 2 != 1"),
         (_corrupt_leak, "unreferenced but not free \\[3\\]"),
         (_corrupt_cached_free, "both cached and free"),
     ],

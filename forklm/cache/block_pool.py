@@ -25,7 +25,7 @@ an engine bug: it raises ValueError and leaves the pool unchanged.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 
 
@@ -37,25 +37,28 @@ class BlockPool:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # FIFO: allocate from the left, freed blocks join on the right, so a fresh pool hands out
-        # 0, 1, 2, ... and a just-freed block is reused last.
-        self._free: deque[int] = deque(range(num_blocks))
+        # Free map (1 = free), searched in C by bytearray.find: allocation is address-ordered
+        # first fit and prefers one contiguous run, so a sequence's blocks are one view of the
+        # KV tensors whenever the pool is not fragmented (see attention/paged.py).
+        self._free_map = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
         self._refcount = [0] * num_blocks
         self._cached: set[int] = set()  # blocks carrying the radix cache's reference
+        self._num_cached_only = 0  # cached blocks no sequence holds (refcount 1)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_cached(self) -> int:
-        """Blocks held by the radix cache only (not counting cached blocks a sequence also holds)."""
-        return sum(1 for b in self._cached if self._refcount[b] == 1)
+        """Blocks held by the radix cache only (not counting cached blocks a sequence also holds). O(1)."""
+        return self._num_cached_only
 
     @property
     def num_in_use(self) -> int:
-        """Blocks held by at least one sequence (reference beyond the cache's, if cached)."""
-        return sum(1 for b, r in enumerate(self._refcount) if r > (b in self._cached))
+        """Blocks held by at least one sequence (reference beyond the cache's, if cached). O(1)."""
+        return self.num_blocks - self._num_free - self._num_cached_only
 
     def refcount(self, block: int) -> int:
         self._check_ids([block])
@@ -70,7 +73,8 @@ class BlockPool:
         return frozenset(self._cached)
 
     def allocate(self, n: int) -> list[int] | None:
-        """Takes `n` free blocks, each with refcount 1 owned by the caller, in free-list order.
+        """Takes `n` free blocks, each with refcount 1 owned by the caller: the lowest-addressed
+        run of `n` consecutive free blocks if there is one, else the `n` lowest free blocks.
 
         When fewer than `n` blocks are free, returns None and allocates nothing: nothing is
         evicted here. The caller then evicts from the radix cache (`RadixCache.evict`) and tries
@@ -78,12 +82,44 @@ class BlockPool:
         """
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"allocate: n must be a non-negative int, got {n!r}")
-        if n > len(self._free):
+        if n > self._num_free:
             return None
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self._refcount[b] = 1
+        run = self.allocate_run(n)
+        if run is not None:
+            return run
+        blocks, fm, i = [], self._free_map, -1
+        for _ in range(n):
+            i = fm.find(1, i + 1)
+            blocks.append(i)
+        self._take(blocks)
         return blocks
+
+    def allocate_run(self, n: int) -> list[int] | None:
+        """`n` consecutive free blocks (lowest address first), or None if no such run exists."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"allocate_run: n must be a non-negative int, got {n!r}")
+        if n > self._num_free:
+            return None
+        first = self._free_map.find(b"\x01" * n) if n else 0
+        if first < 0:
+            return None
+        blocks = list(range(first, first + n))
+        self._take(blocks)
+        return blocks
+
+    def allocate_at(self, first: int, n: int) -> list[int] | None:
+        """Blocks `first .. first + n - 1` if all of them exist and are free (a run extended in place)."""
+        if first < 0 or first + n > self.num_blocks or self._free_map[first : first + n].count(1) != n:
+            return None
+        blocks = list(range(first, first + n))
+        self._take(blocks)
+        return blocks
+
+    def _take(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._free_map[b] = 0
+            self._refcount[b] = 1
+        self._num_free -= len(blocks)
 
     def incref(self, blocks: Iterable[int]) -> None:
         """Adds one reference per occurrence (a new holder shares blocks it did not allocate)."""
@@ -92,6 +128,8 @@ class BlockPool:
             if self._refcount[b] == 0:
                 raise ValueError(f"incref of free block {b}: only allocate() hands out free blocks")
         for b, c in counts.items():
+            if self._refcount[b] == 1 and b in self._cached:
+                self._num_cached_only -= 1
             self._refcount[b] += c
 
     def decref(self, blocks: Iterable[int]) -> int:
@@ -130,6 +168,7 @@ class BlockPool:
         for b, c in counts.items():
             if c > 1 or b not in self._cached:
                 raise ValueError(f"drop_cache_ref of block {b}, which the cache does not hold")
+        self._num_cached_only -= sum(1 for b in counts if self._refcount[b] == 1)
         self._cached.difference_update(counts)
         return self._release(counts)
 
@@ -142,11 +181,11 @@ class BlockPool:
         cached set, checked against the tree by `RadixCache.check_integrity`): every block's
         refcount equals its occurrences in `holders`, plus one if cached.
         """
-        free = set(self._free)
-        dup = sorted(Counter(self._free) - Counter(free))
-        assert not dup, f"free list has duplicates: {dup}"
-        bad = [b for b in free if not 0 <= b < self.num_blocks]
-        assert not bad, f"free list holds unknown ids {bad}"
+        assert len(self._free_map) == self.num_blocks, "free map has the wrong length"
+        free = {b for b, f in enumerate(self._free_map) if f}
+        assert self._num_free == len(free), f"num_free {self._num_free} != {len(free)} blocks free in the map"
+        cached_only = sum(1 for b in self._cached if self._refcount[b] == 1)
+        assert self._num_cached_only == cached_only, f"num_cached {self._num_cached_only} != {cached_only}"
         zero = {b for b, r in enumerate(self._refcount) if r == 0}
         assert free == zero, (
             f"free list != blocks with refcount 0: free but referenced {sorted(free - zero)}, "
@@ -183,6 +222,9 @@ class BlockPool:
         for b, c in counts.items():
             self._refcount[b] -= c
             if self._refcount[b] == 0:
-                self._free.append(b)
+                self._free_map[b] = 1
                 freed += 1
+            elif self._refcount[b] == 1 and b in self._cached:
+                self._num_cached_only += 1
+        self._num_free += freed
         return freed

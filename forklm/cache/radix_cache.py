@@ -64,6 +64,7 @@ class RadixCache:
         self._root = RadixNode((), [], None, next(self._uids))
         self._num_cached = 0
         self._num_evictable = 0  # blocks of nodes with lock_ref == 0
+        self._leaves: set[RadixNode] = set()  # childless nodes (eviction candidates when unlocked)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -144,6 +145,8 @@ class RadixCache:
                 node = self._split(node, used)
             leaf = RadixNode(tokens[k * self.block_size :], blocks[k:], node, next(self._uids))
             node.children[self._first(leaf.key)] = leaf
+            self._leaves.discard(node)
+            self._leaves.add(leaf)
             self.pool.add_cache_ref(leaf.blocks)
             self._num_cached += n - k
             self._num_evictable += n - k
@@ -161,8 +164,7 @@ class RadixCache:
         """
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"evict: num_blocks must be a non-negative int, got {num_blocks!r}")
-        leaves = [n for n in self._nodes() if not (n.children or n.lock_ref or n is self._root)]
-        heap = [(n.last_access, n.uid, n) for n in leaves]
+        heap = [(n.last_access, n.uid, n) for n in self._leaves if not n.lock_ref]
         heapq.heapify(heap)
         freed = 0
         while freed < num_blocks and heap:
@@ -172,6 +174,9 @@ class RadixCache:
                 self._split(leaf, len(leaf.blocks) - need)  # leaf keeps its last `need` blocks
             parent, leaf.parent, leaf.evicted = leaf.parent, None, True
             del parent.children[self._first(leaf.key)]
+            self._leaves.discard(leaf)
+            if parent is not self._root and not parent.children:
+                self._leaves.add(parent)
             self._num_cached -= len(leaf.blocks)
             self._num_evictable -= len(leaf.blocks)
             freed += self.pool.drop_cache_ref(leaf.blocks)
@@ -210,6 +215,8 @@ class RadixCache:
         assert set(seen) == cached, f"tree blocks {sorted(set(seen))} != pool's cached set {sorted(cached)}"
         assert self._num_cached == len(seen), f"num_cached_blocks {self._num_cached} != {len(seen)} in the tree"
         assert self._num_evictable == evictable, f"num_evictable_blocks {self._num_evictable} != {evictable}"
+        leaves = {n for n in self._nodes() if n is not self._root and not n.children}
+        assert self._leaves == leaves, "the leaf set does not match the tree's childless nodes"
         self.pool.check_integrity(holders)
 
     def _first(self, key: tuple[int, ...]) -> tuple[int, ...]:
