@@ -138,7 +138,7 @@ def test_random_cancellations_release_everything(smollm2_f32):
 def test_chunked_prefill_interleaves_with_decode(smollm2_f32):
     llm = smollm2_f32
     engine = llm.engine(num_blocks=200, block_size=16, max_batch_tokens=48)
-    short = dict(prompt=CODE, n=2, max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    short = dict(prompt=CODE, n=2, max_tokens=20, temperature=0.8, seed=15, ignore_eos=True)  # seed 5 draws within 3e-7 of a CDF boundary at step 13
     long = dict(prompt=SYSTEM * 10 + "Now review this.", n=2, max_tokens=6, temperature=0.8, seed=6)
     a = submit(llm, engine, [short])[0]
     for _ in range(3):

@@ -3,42 +3,77 @@
 The batch's flattened rows are `[decode rows (one token each) | chunk 0 | chunk 1 | ...]`.
 It implements the model's interface `attend(layer, q [T, h, D], k [T, g, D], v [T, g, D])`.
 
-Decode rows: each shared segment (see `shared_prefix.py`) is attended once for all its rows,
-"bifurcated" (all `rows · p` query rows of a KV head in one product, the segment's K/V read
-once) or "expanded" (each row reads the segment itself, as a conventional engine does),
-chosen per segment by `attention/auto.py`'s measured rule. Each row's tail (its own blocks and
-partial block, the current token included) is gathered into one padded batch. All partial
-results are merged exactly by log-sum-exp.
+Nothing of the context is copied: every read is a view of the pool's K/V tensors
+(`cache/paged_kv.py`: per layer `[g, slots, D]`, a run of consecutive slots is one view).
 
-Prefill chunks: the chunk's queries attend to the tokens before the chunk (paged, read in place)
-and causally to the chunk itself, merged by log-sum-exp.
+Decode rows. The planner orders the rows by their block tables (rows sharing blocks become
+neighbours) and splits each row's keys into
+- shared segments (`shared_prefix.py`): full blocks that several rows list, read once for all
+  of them: "bifurcated" (all `rows · p` query rows of a KV head in one product) or "expanded"
+  (a stride-0 view per row, as a conventional engine reads it), chosen per segment by
+  `attention/auto.py`'s measured rule;
+- each row's tail (its own blocks, partial block and current token), as runs of consecutive
+  slots. Neighbouring rows whose tails are single runs of equal length at a constant slot
+  stride (the samples of one request, whose blocks the engine allocates as one strided lane
+  group) are one strided view `[rows, g, length, D]` and one product.
+Every row's first tail read gives its partial output; shared segments and further runs are
+merged by log-sum-exp in float32 (DESIGN.md "Attention over segments").
 
-K/V of a run of consecutive slots is a view of the cache; a segment split into more than
-`MAX_RUNS` runs (a fragmented pool) is gathered into one contiguous copy instead.
+Prefill chunks: the chunk's queries attend causally to the chunk itself and to the tokens before
+it (their runs, read in place), merged by log-sum-exp.
+
+The plan is cheap to rebuild each step: the shared-segment trie is cached on the rows' identity
+and their shareable prefixes (it changes only when rows join or leave), and each row's tail runs
+are extended incrementally (`TailRuns`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from forklm.attention.auto import choose_decode_path
 from forklm.attention.segments import attend_segment, merge_partials
-from forklm.attention.shared_prefix import shared_segments
+from forklm.attention.shared_prefix import SharedSegment, shared_segments
 from forklm.cache.paged_kv import PagedKVCache, slot_runs, slots_of
-
-MAX_RUNS = 4
 
 Runs = list[tuple[int, int]]  # [(first_slot, num_tokens), ...]
 
 
 @dataclass
-class SegmentRead:
-    rows: torch.Tensor  # [s] decode rows reading the segment
-    runs: Runs  # the segment's slots
-    bifurcated: bool  # one product for all rows (True) or one read per row (False)
+class DecodeRow:
+    """What the planner needs of one decode row: the token at `position` is new."""
+
+    block_table: Sequence[int]
+    position: int
+    shareable_blocks: int | None = None  # leading full blocks other rows may list (None: all full blocks)
+    key: Hashable = None  # identity across steps (for the planner's caches); None: not cached
+
+
+@dataclass
+class TailGroup:
+    """Plan rows [row0, row0 + num_rows) read one run each: `length` slots from
+    `first_slot + i * stride` for plan row row0 + i (one strided view, one product)."""
+
+    row0: int
+    num_rows: int
+    first_slot: int
+    stride: int
+    length: int
+
+
+@dataclass
+class ExtraRead:
+    """Plan rows [row0, row1) read the slots [first_slot, first_slot + length) (merged by LSE)."""
+
+    row0: int
+    row1: int
+    first_slot: int
+    length: int
+    bifurcated: bool  # one product for all rows (True) or a stride-0 view per row (False)
 
 
 @dataclass
@@ -52,11 +87,183 @@ class PrefillChunk:
 class StepPlan:
     write_slots: torch.Tensor  # [T] slot of every batch row's new K/V
     num_decode: int = 0
-    segments: list[SegmentRead] = field(default_factory=list)
-    tail_slots: torch.Tensor | None = None  # [B, L] slots of each decode row's tail (padded)
-    tail_mask: torch.Tensor | None = None  # [B, 1, 1, L] additive mask (0 / -inf); None if no padding
+    order: torch.Tensor | None = None  # [B] plan row i is decode row order[i]; None: identity
+    tails: list[TailGroup] = field(default_factory=list)  # cover every plan row once, in row order
+    extra: list[ExtraRead] = field(default_factory=list)  # shared segments, further tail runs
+    num_shared_reads: int = 0  # shared-segment reads read once for several rows
     chunks: list[PrefillChunk] = field(default_factory=list)
     kernel_plan: object = None  # kernels.segment_attention.SegmentPlan when decode rows use the Triton kernel
+
+    @property
+    def segments(self) -> list[ExtraRead]:
+        """Shared-segment reads (rows >= 2)."""
+        return [e for e in self.extra if e.row1 - e.row0 >= 2]
+
+
+class TailRuns:
+    """A row's tail as runs of slots, extended as the row grows (O(new tokens) per step)."""
+
+    __slots__ = ("table_id", "start", "end", "runs")
+
+    def __init__(self) -> None:
+        self.table_id = -1
+        self.start = 0  # first token of the tail
+        self.end = 0  # tokens [start, end) are in `runs`
+        self.runs: Runs = []
+
+    def update(self, table: Sequence[int], start: int, end: int, block_size: int) -> Runs:
+        if id(table) != self.table_id or start != self.start or end < self.end:
+            self.table_id, self.start, self.end, self.runs = id(table), start, start, []
+        if end > self.end:
+            more = slot_runs(table, self.end, end, block_size)
+            if self.runs and more and self.runs[-1][0] + self.runs[-1][1] == more[0][0]:
+                self.runs[-1] = (self.runs[-1][0], self.runs[-1][1] + more[0][1])
+                more = more[1:]
+            self.runs.extend(more)
+            self.end = end
+        return self.runs
+
+
+class StepPlanner:
+    """Builds each step's `StepPlan`, caching what does not change between steps."""
+
+    def __init__(
+        self,
+        block_size: int,
+        shared_attention: str,  # "auto" | "bifurcated" | "standard"
+        device: torch.device,
+        decode_kernel: str = "torch",  # "torch" (a product per read) or "triton" (one fused kernel)
+        num_heads: int = 0,  # needed by the Triton kernel's plan
+        num_kv_heads: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.shared_attention = shared_attention
+        self.device = device
+        self.decode_kernel = decode_kernel
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self._tails: dict[Hashable, TailRuns] = {}
+        self._segments_key: tuple | None = None
+        self._segments: tuple[list[SharedSegment], list[int]] = ([], [])
+
+    def forget(self, key: Hashable) -> None:
+        """Drops a row's cached tail (call when the row leaves for good)."""
+        self._tails.pop(key, None)
+
+    def plan(self, decode_rows: Sequence[DecodeRow], chunks: Sequence[tuple[Sequence[int], int, int]]) -> StepPlan:
+        """Where each new token's K/V goes and what each row attends to, for batch rows laid out
+        as `[decode rows | chunk 0 | chunk 1 | ...]` (chunks: (block_table, s0, s1), tokens
+        [s0, s1) new)."""
+        bs, dev = self.block_size, self.device
+        slots = [r.block_table[r.position // bs] * bs + r.position % bs for r in decode_rows]
+        plan_chunks = []
+        row = len(decode_rows)
+        for table, s0, s1 in chunks:
+            slots.extend(slots_of(table, s0, s1, bs))
+            plan_chunks.append(PrefillChunk(row, s1 - s0, slot_runs(table, 0, s0, bs)))
+            row += s1 - s0
+        plan = StepPlan(torch.tensor(slots, dtype=torch.long, device=dev), len(decode_rows), chunks=plan_chunks)
+        if decode_rows:
+            self._plan_decode(plan, decode_rows)
+        return plan
+
+    # ------------------------------------------------------------------ decode rows
+    def _plan_decode(self, plan: StepPlan, rows: Sequence[DecodeRow]) -> None:
+        bs = self.block_size
+        prefixes = [
+            tuple(r.block_table[: min(r.position // bs, r.shareable_blocks if r.shareable_blocks is not None else 1 << 62)])
+            for r in rows
+        ]
+        segments, tail_start = self._shared(rows, prefixes)
+        tails = []
+        live = set()
+        for i, r in enumerate(rows):
+            start, end = tail_start[i] * bs, r.position + 1
+            if r.key is None:
+                tails.append(slot_runs(r.block_table, start, end, bs))
+            else:
+                live.add(r.key)
+                cache = self._tails.get(r.key)
+                if cache is None:
+                    cache = self._tails[r.key] = TailRuns()
+                tails.append(cache.update(r.block_table, start, end, bs))
+        if len(self._tails) > 4 * max(len(live), 64):  # rows that left without `forget`
+            self._tails = {k: v for k, v in self._tails.items() if k in live}
+        # Plan order: by shareable prefix (rows of a shared segment become a contiguous range),
+        # then single-run tails by (length, first slot) so strided lane groups line up.
+        order = sorted(
+            range(len(rows)),
+            key=lambda i: (prefixes[i], len(tails[i]) != 1, tails[i][-1][1], tails[i][0][0]),
+        )
+        position_of = [0] * len(rows)
+        for pos, i in enumerate(order):
+            position_of[i] = pos
+        if order != list(range(len(rows))):
+            plan.order = torch.tensor(order, dtype=torch.long, device=self.device)
+        if self.decode_kernel == "triton":
+            self._kernel_plan(plan, rows, order, position_of, segments, tail_start)
+            return
+        # Tails: every plan row's first run, grouped into strided views where they line up.
+        groups: list[TailGroup] = []
+        for pos, i in enumerate(order):
+            first, length = tails[i][0]
+            last = groups[-1] if groups else None
+            if (
+                last is not None
+                and len(tails[i]) == 1
+                and length == last.length
+                and len(tails[order[last.row0]]) == 1
+                and (
+                    (last.num_rows == 1 and first > last.first_slot)
+                    or (last.num_rows > 1 and first == last.first_slot + last.num_rows * last.stride)
+                )
+            ):
+                if last.num_rows == 1:
+                    last.stride = first - last.first_slot
+                last.num_rows += 1
+            else:
+                groups.append(TailGroup(pos, 1, first, 0, length))
+        plan.tails = groups
+        extra: list[ExtraRead] = []
+        for seg in segments:
+            plan_rows = sorted(position_of[r] for r in seg.rows)
+            r0, r1 = plan_rows[0], plan_rows[-1] + 1
+            assert r1 - r0 == len(plan_rows), "rows of a shared segment are contiguous in plan order"
+            tokens = len(seg.blocks) * bs
+            if self.shared_attention == "auto":
+                bif = choose_decode_path(self.device.type, len(plan_rows), tokens, 0) == "bifurcated"
+            else:
+                bif = self.shared_attention == "bifurcated"
+            for first, n in slot_runs(seg.blocks, 0, tokens, bs):
+                extra.append(ExtraRead(r0, r1, first, n, bif))
+            plan.num_shared_reads += bif
+        for pos, i in enumerate(order):
+            for first, n in tails[i][1:]:
+                extra.append(ExtraRead(pos, pos + 1, first, n, False))
+        plan.extra = extra
+
+    def _shared(self, rows: Sequence[DecodeRow], prefixes: list[tuple]) -> tuple[list[SharedSegment], list[int]]:
+        key = tuple((r.key, len(p)) for r, p in zip(rows, prefixes)) if all(r.key is not None for r in rows) else None
+        if key is not None and key == self._segments_key:
+            return self._segments
+        result = shared_segments(prefixes)
+        self._segments_key, self._segments = key, result
+        return result
+
+    def _kernel_plan(self, plan, rows, order, position_of, segments, tail_start) -> None:
+        from forklm.kernels.segment_attention import SegmentItem, plan_segments
+
+        bs = self.block_size
+        items = [SegmentItem([position_of[r] for r in seg.rows], seg.blocks, len(seg.blocks) * bs) for seg in segments]
+        for pos, i in enumerate(order):  # each row's tail: its own blocks, current token included
+            r = rows[i]
+            t = r.position
+            items.append(SegmentItem([pos], r.block_table[tail_start[i] : t // bs + 1], t + 1 - tail_start[i] * bs))
+        plan.kernel_plan = plan_segments(items, len(rows), self.num_heads, self.num_kv_heads, bs, self.device)
+        plan.extra = [
+            ExtraRead(min(position_of[r] for r in seg.rows), max(position_of[r] for r in seg.rows) + 1, -1, 0, True)
+            for seg in segments
+        ]
+        plan.num_shared_reads = len(segments)
 
 
 def build_step_plan(
@@ -65,52 +272,14 @@ def build_step_plan(
     block_size: int,
     shared_attention: str,  # "auto" | "bifurcated" | "standard"
     device: torch.device,
-    mask_dtype: torch.dtype,
-    decode_kernel: str = "torch",  # "torch" (attend_segment per segment) or "triton" (one fused kernel)
-    num_heads: int = 0,  # needed by the Triton kernel's plan
+    mask_dtype: torch.dtype | None = None,  # unused (no padded batches any more); kept for callers
+    decode_kernel: str = "torch",
+    num_heads: int = 0,
     num_kv_heads: int = 0,
 ) -> StepPlan:
-    """Where each new token's K/V goes and what each row attends to, for rows laid out as
-    `[decode rows | chunk 0 | chunk 1 | ...]`."""
-    bs = block_size
-    slots = [table[t // bs] * bs + t % bs for table, t in decode_rows]
-    plan_chunks = []
-    row = len(decode_rows)
-    for table, s0, s1 in chunks:
-        slots.extend(slots_of(table, s0, s1, bs))
-        plan_chunks.append(PrefillChunk(row, s1 - s0, slot_runs(table, 0, s0, bs)))
-        row += s1 - s0
-    plan = StepPlan(torch.tensor(slots, dtype=torch.long, device=device), len(decode_rows), chunks=plan_chunks)
-    if not decode_rows:
-        return plan
-    full = [table[: t // bs] for table, t in decode_rows]
-    segments, tail_start = shared_segments(full)
-    if decode_kernel == "triton":
-        from forklm.kernels.segment_attention import SegmentItem, plan_segments
-
-        items = [SegmentItem(seg.rows, seg.blocks, len(seg.blocks) * bs) for seg in segments]
-        for r, (table, t) in enumerate(decode_rows):  # each row's tail: its own blocks, current token included
-            items.append(SegmentItem([r], table[tail_start[r] : t // bs + 1], t + 1 - tail_start[r] * bs))
-        plan.kernel_plan = plan_segments(items, len(decode_rows), num_heads, num_kv_heads, bs, device)
-        plan.segments = [SegmentRead(torch.tensor(seg.rows, device=device), [], True) for seg in segments]
-        return plan
-    for seg in segments:
-        tokens = len(seg.blocks) * bs
-        if shared_attention == "auto":
-            bif = choose_decode_path(device.type, len(seg.rows), tokens, 0) == "bifurcated"
-        else:
-            bif = shared_attention == "bifurcated"
-        runs = slot_runs(seg.blocks, 0, tokens, bs)
-        plan.segments.append(SegmentRead(torch.tensor(seg.rows, dtype=torch.long, device=device), runs, bif))
-    tails = [slots_of(table, tail_start[r] * bs, t + 1, bs) for r, (table, t) in enumerate(decode_rows)]
-    lens = [len(t) for t in tails]
-    L = max(lens)
-    plan.tail_slots = torch.tensor([t + [t[0]] * (L - len(t)) for t in tails], dtype=torch.long, device=device)
-    if min(lens) < L:
-        valid = torch.arange(L, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
-        mask = torch.zeros(len(tails), L, dtype=mask_dtype, device=device).masked_fill(~valid, float("-inf"))
-        plan.tail_mask = mask.view(len(tails), 1, 1, L)
-    return plan
+    """A one-off plan (no caching across steps): every full block may be shared."""
+    planner = StepPlanner(block_size, shared_attention, device, decode_kernel, num_heads, num_kv_heads)
+    return planner.plan([DecodeRow(table, t) for table, t in decode_rows], chunks)
 
 
 class PagedAttention:
@@ -121,13 +290,16 @@ class PagedAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         T, h, D = q.shape
-        g = k.shape[1]
         scale = 1.0 / math.sqrt(D)
         self.kv.write(layer, plan.write_slots, k, v)
         parts = []
         B = plan.num_decode
         if B:
-            parts.append(self._decode(layer, q[:B], g, scale))
+            qd = q[:B] if plan.order is None else q[:B].index_select(0, plan.order)
+            o = self._decode(layer, qd, k.shape[1], scale)
+            if plan.order is not None:
+                o = torch.empty_like(o).index_copy_(0, plan.order, o)
+            parts.append(o)
         for ch in plan.chunks:
             r0, r1 = ch.row_start, ch.row_start + ch.num_tokens
             parts.append(self._prefill(layer, q[r0:r1], k[r0:r1], v[r0:r1], ch.prefix_runs, scale))
@@ -135,6 +307,7 @@ class PagedAttention:
 
     # ------------------------------------------------------------------ decode rows
     def _decode(self, layer: int, q: torch.Tensor, g: int, scale: float) -> torch.Tensor:
+        """q [B, h, D] in plan order -> [B, h, D]."""
         plan = self.plan
         B, h, D = q.shape
         p = h // g
@@ -143,45 +316,43 @@ class PagedAttention:
 
             o, _ = segment_attention(q, self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, scale)
             return o
-        # Tails first: [B, L] slots gathered into [B, g, L, D] (one copy of the rows' own tokens).
-        L = plan.tail_slots.shape[1]
-        flat = plan.tail_slots.reshape(-1)
-        kt = self.kv.k[layer].index_select(1, flat).view(g, B, L, D).transpose(0, 1)
-        vt = self.kv.v[layer].index_select(1, flat).view(g, B, L, D).transpose(0, 1)
-        o_t, lse_t = attend_segment(q.view(B, g, p, D), kt, vt, scale, attn_mask=plan.tail_mask)
-        if not plan.segments:
-            return o_t.reshape(B, h, D)
-        o = o_t.reshape(B, h, D).float()
-        lse = lse_t.reshape(B, h)
-        # Then each shared segment, merged into its rows' running (o, lse) by log-sum-exp.
-        for seg in plan.segments:
-            everyone = seg.rows.numel() == B  # rows are sorted and distinct: all of them, in order
-            qs = q if everyone else q.index_select(0, seg.rows)  # [s, h, D]
-            s = qs.shape[0]
-            for ks, vs in self._segment_kv(layer, seg.runs):  # [1, g, S, D] each
-                if seg.bifurcated:
-                    q_rows = qs.view(s, g, p, D).transpose(0, 1).reshape(1, g, s * p, D)
-                    o_s, lse_s = attend_segment(q_rows, ks, vs, scale)
-                    o_s = o_s.view(g, s, p, D).transpose(0, 1).reshape(s, h, D)
-                    lse_s = lse_s.view(g, s, p).transpose(0, 1).reshape(s, h)
-                else:
-                    S = ks.shape[2]
-                    o_s, lse_s = attend_segment(qs.view(s, g, p, D), ks.expand(s, g, S, D), vs.expand(s, g, S, D), scale)
-                    o_s, lse_s = o_s.reshape(s, h, D), lse_s.reshape(s, h)
-                if everyone:
-                    o, lse = merge_partials(o, lse, o_s, lse_s)
-                else:
-                    o_m, lse_m = merge_partials(o.index_select(0, seg.rows), lse.index_select(0, seg.rows), o_s, lse_s)
-                    o.index_copy_(0, seg.rows, o_m)
-                    lse.index_copy_(0, seg.rows, lse_m)
-        return o.to(q.dtype)
-
-    def _segment_kv(self, layer: int, runs: Runs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         K, V = self.kv.k[layer], self.kv.v[layer]  # [g, slots, D]
-        if len(runs) <= MAX_RUNS:
-            return [(K[:, s : s + n].unsqueeze(0), V[:, s : s + n].unsqueeze(0)) for s, n in runs]
-        idx = torch.cat([torch.arange(s, s + n, device=K.device) for s, n in runs])
-        return [(K.index_select(1, idx).unsqueeze(0), V.index_select(1, idx).unsqueeze(0))]
+        outs, lses = [], []
+        for tg in plan.tails:
+            s = tg.num_rows
+            size = (s, g, tg.length, D)
+            strides = (tg.stride * D, K.stride(0), D, 1)
+            kt = K.as_strided(size, strides, K.storage_offset() + tg.first_slot * D)
+            vt = V.as_strided(size, strides, V.storage_offset() + tg.first_slot * D)
+            o_t, lse_t = attend_segment(q[tg.row0 : tg.row0 + s].view(s, g, p, D), kt, vt, scale)
+            outs.append(o_t.reshape(s, h, D))
+            lses.append(lse_t.reshape(s, h))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if not plan.extra:
+            return o
+        lse = lses[0] if len(lses) == 1 else torch.cat(lses)
+        o = o.float()
+        for e in plan.extra:
+            s = e.row1 - e.row0
+            qs = q[e.row0 : e.row1]
+            ks = K[:, e.first_slot : e.first_slot + e.length].unsqueeze(0)  # [1, g, S, D]
+            vs = V[:, e.first_slot : e.first_slot + e.length].unsqueeze(0)
+            if e.bifurcated:
+                q_rows = qs.view(s, g, p, D).transpose(0, 1).reshape(1, g, s * p, D)
+                o_s, lse_s = attend_segment(q_rows, ks, vs, scale)
+                o_s = o_s.view(g, s, p, D).transpose(0, 1).reshape(s, h, D)
+                lse_s = lse_s.view(g, s, p).transpose(0, 1).reshape(s, h)
+            else:
+                S = e.length
+                o_s, lse_s = attend_segment(qs.view(s, g, p, D), ks.expand(s, g, S, D), vs.expand(s, g, S, D), scale)
+                o_s, lse_s = o_s.reshape(s, h, D), lse_s.reshape(s, h)
+            if s == B:
+                o, lse = merge_partials(o, lse, o_s, lse_s)
+            else:
+                o_m, lse_m = merge_partials(o[e.row0 : e.row1], lse[e.row0 : e.row1], o_s, lse_s)
+                o[e.row0 : e.row1] = o_m
+                lse[e.row0 : e.row1] = lse_m
+        return o.to(q.dtype)
 
     # ------------------------------------------------------------------ prefill chunks
     def _prefill(
@@ -194,13 +365,16 @@ class PagedAttention:
         kh = k.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
         vh = v.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
         o, lse = attend_segment(qh, kh, vh, scale, causal=True)  # [1, h, T, D], [1, h, T]
+        if not prefix:
+            return o[0].transpose(0, 1)
         o = o.float()  # merged in float32, rounded once at the end
-        if prefix:
-            # All T·p query rows of a KV head against the earlier tokens, read in place.
-            q_rows = q.view(T, g, p, D).permute(1, 0, 2, 3).reshape(1, g, T * p, D)
-            for ks, vs in self._segment_kv(layer, prefix):
-                o_p, lse_p = attend_segment(q_rows, ks, vs, scale)
-                o_p = o_p.view(g, T, p, D).permute(0, 2, 1, 3).reshape(1, h, T, D)
-                lse_p = lse_p.view(g, T, p).permute(0, 2, 1).reshape(1, h, T)
-                o, lse = merge_partials(o, lse, o_p, lse_p)
+        # All T·p query rows of a KV head against the earlier tokens, read in place run by run.
+        q_rows = q.view(T, g, p, D).permute(1, 0, 2, 3).reshape(1, g, T * p, D)
+        K, V = self.kv.k[layer], self.kv.v[layer]
+        for first, n in prefix:
+            ks, vs = K[:, first : first + n].unsqueeze(0), V[:, first : first + n].unsqueeze(0)
+            o_p, lse_p = attend_segment(q_rows, ks, vs, scale)
+            o_p = o_p.view(g, T, p, D).permute(0, 2, 1, 3).reshape(1, h, T, D)
+            lse_p = lse_p.view(g, T, p).permute(0, 2, 1).reshape(1, h, T)
+            o, lse = merge_partials(o, lse, o_p, lse_p)
         return o[0].transpose(0, 1).to(q.dtype)  # [T, h, D]
