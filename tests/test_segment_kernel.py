@@ -6,6 +6,7 @@ same checks on a GPU. Outputs are poisoned with NaN before each run and every el
 """
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def reference(q, k_cache, v_cache, items, bs, scale):
 @pytest.mark.parametrize("b", [1, 3, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_matches_reference(h, g, b, dtype):
-    rng = random.Random(hash((h, g, b, str(dtype))) % 2**32)
+    rng = random.Random(zlib.crc32(repr((h, g, b, str(dtype))).encode()))  # hash() is salted per process
     torch.manual_seed(rng.randrange(2**31))
     bs, D, num_blocks = 16, 64, 400
     items = random_items(rng, b, bs, num_blocks)
