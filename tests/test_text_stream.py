@@ -172,8 +172,7 @@ def reference_check_finished(st, params, stop_ids, decode) -> bool:
     if params.stop:
         text = decode(st.token_ids)
         if can_stop:
-            start = max(0, st.checked - max(len(s) for s in params.stop) + 1)
-            hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
+            hits = [(pos, s) for s in params.stop if (pos := text.find(s, max(0, st.checked - len(s) + 1))) >= 0]
             if hits:
                 pos, s = min(hits)
                 st.text, st.finish_reason, st.stop_reason = text[:pos], "stop", s

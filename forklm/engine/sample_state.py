@@ -115,7 +115,8 @@ def check_finished(
 
     Stop strings: each step decodes only a window of the latest tokens (O(1) per step, not the
     whole sample); only when a stop string shows up there is the whole sample decoded, to cut
-    its text exactly where the stop string starts.
+    its text exactly where the stop string starts. An occurrence that ends within the text of the
+    first min_tokens tokens never stops the sample, then or later.
     """
     tok = st.token_ids[-1]
     can_stop = len(st.token_ids) > params.min_tokens
@@ -129,9 +130,8 @@ def check_finished(
             return _length_reached(st, params)
         if stop_in_tail(st.token_ids, params.stop, decode):
             text = decode(st.token_ids)
-            longest = max(len(s) for s in params.stop)
-            start = max(0, st.checked - longest + 1)
-            hits = [(pos, s) for s in params.stop if (pos := text.find(s, start)) >= 0]
+            # only occurrences that end after the min_tokens window's text count
+            hits = [(pos, s) for s in params.stop if (pos := text.find(s, max(0, st.checked - len(s) + 1))) >= 0]
             if hits:
                 pos, s = min(hits)
                 st.text = text[:pos]
