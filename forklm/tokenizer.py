@@ -36,7 +36,7 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # tokenizer.ggml.pre -> regexes applied in order before byte-level BPE (as in llama.cpp's llama-vocab.cpp)
 _PRE_SPLITS = {
-    "gpt2": [_GPT2_SPLIT], "default": [_GPT2_SPLIT],
+    "gpt2": [_GPT2_SPLIT], "gpt-2": [_GPT2_SPLIT], "default": [_GPT2_SPLIT],  # also when the file names none
     "smollm": [r"\p{N}", _GPT2_SPLIT],  # HF's tokenizer.json: Digits(individual) then GPT-2 ByteLevel
     "llama3": [_LLAMA3_SPLIT], "llama-bpe": [_LLAMA3_SPLIT], "llama-v3": [_LLAMA3_SPLIT],
     "qwen2": [_QWEN2_SPLIT], "deepseek-r1-qwen": [_QWEN2_SPLIT],
@@ -277,6 +277,11 @@ def _bpe(vocab: dict[str, int], merges: list[tuple], **kw: Any) -> _Backend:
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple], pre: str) -> _Backend:
+    # An unknown pre-tokenizer is refused, not replaced: its words would split differently, so the
+    # model would see token sequences it was never trained on (text still round-trips, which hides it).
+    if pre not in _PRE_SPLITS:
+        raise UnsupportedModelError(
+            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre = {pre!r} (supported: {', '.join(sorted(_PRE_SPLITS))})")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
@@ -287,9 +292,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple], pr
             t = "".join(alphabet[b] for b in t.encode("utf-8"))
         vocab.setdefault(t, i)
     backend = _bpe(vocab, merges, ignore_merges=pre in _IGNORE_MERGES)
-    # Unknown pre-tokenizer types fall back to GPT-2's regex: right for GPT-2-derived vocabularies,
-    # and for others it only changes where words split, so text still round-trips exactly.
-    splits = _PRE_SPLITS.get(pre, [_GPT2_SPLIT])
+    splits = _PRE_SPLITS[pre]
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

@@ -81,10 +81,10 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 
 # ---------------------------------------------------------------------- tiny written GGUFs
-def _tokenizer_meta(w) -> None:
+def _tokenizer_meta(w, pre: str = "qwen2") -> None:
     tokens = list(_byte_alphabet().values()) + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([1] * 256 + [3, 3, 3])
     w.add_token_merges([])
@@ -108,7 +108,8 @@ def _put(w, name: str, arr: np.ndarray, qtype) -> np.ndarray:
 
 
 def write_tiny(path: Path, arch: str = "qwen2", *, bias: bool = True, tied: bool = False, layers: int = 2,
-               extra_meta=None, extra_tensors=None, weight_type=Q.Q8_0, theta=1e6) -> dict[str, np.ndarray]:
+               extra_meta=None, extra_tensors=None, weight_type=Q.Q8_0, theta=1e6,
+               pre: str = "qwen2") -> dict[str, np.ndarray]:
     """A 2-layer model, hidden 64, 4 heads of 16, 2 KV heads. Returns the expected tensors by GGUF name."""
     rng = np.random.default_rng(0)
     hidden, ffn, heads, kv, vocab = 64, 96, 4, 2, 259
@@ -124,7 +125,7 @@ def write_tiny(path: Path, arch: str = "qwen2", *, bias: bool = True, tied: bool
     w.add_vocab_size(vocab)
     if arch == "llama":
         w.add_rope_dimension_count(hidden // heads)
-    _tokenizer_meta(w)
+    _tokenizer_meta(w, pre)
     if extra_meta:
         extra_meta(w)
     expect = {}
@@ -276,6 +277,13 @@ def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gemma.gguf"
     write_tiny(path, "gemma")
     with pytest.raises(UnsupportedModelError, match="'gemma'"):
+        load_gguf(path)
+
+
+def test_unknown_pre_tokenizer(tmp_path):
+    path = tmp_path / "pre.gguf"
+    write_tiny(path, layers=1, pre="brand-new-bpe")
+    with pytest.raises(UnsupportedModelError, match=r"pre\.gguf.*tokenizer\.ggml\.pre.*'brand-new-bpe'"):
         load_gguf(path)
 
 

@@ -197,13 +197,25 @@ def _byte_vocab_meta(pre: str) -> dict:
     ("llama-bpe", ["hello", "Ġ", "123", "4", "5"]),
     ("smollm", ["hello", "Ġ", "1", "2", "3", "4", "5"]),
     ("gpt2", ["hello", "Ġ1", "2", "3", "4", "5"]),  # " 12345" is one piece: merges apply left to right
-    ("some-future-type", ["hello", "Ġ1", "2", "3", "4", "5"]),  # falls back to GPT-2
+    ("gpt-2", ["hello", "Ġ1", "2", "3", "4", "5"]),  # llama.cpp's spelling
+    (None, ["hello", "Ġ1", "2", "3", "4", "5"]),  # no tokenizer.ggml.pre: llama.cpp's "default"
 ])
 def test_byte_level_pre_tokenizers(pre, expected):
-    t = Tokenizer.from_gguf_fields(_byte_vocab_meta(pre))
+    meta = _byte_vocab_meta(pre)
+    if pre is None:
+        del meta["tokenizer.ggml.pre"]
+    t = Tokenizer.from_gguf_fields(meta)
     assert [t.id_to_token(i) for i in t.encode("hello 12345")] == expected
     assert t.decode(t.encode("hello 12345 ✓<|im_end|>"), skip_special_tokens=False) == "hello 12345 ✓<|im_end|>"
     assert t.eos_token_ids == (t.vocab_size - 1, t.vocab_size - 2)
+
+
+def test_unknown_pre_tokenizer_is_refused_by_name():
+    """It used to fall back to GPT-2's regex silently: text round-trips, but words split unlike in training."""
+    from forklm.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="'some-future-type'"):
+        Tokenizer.from_gguf_fields(_byte_vocab_meta("some-future-type"))
 
 
 @pytest.mark.parametrize("pre", ["qwen2", "llama3", "gpt2"])
