@@ -1,7 +1,8 @@
 """Model configuration: one frozen dataclass, built from config.json (any vintage) or GGUF metadata.
 
 Supported architectures are the Llama family (MHA, GQA, MQA; Llama-3 RoPE scaling; tied or
-untied embeddings) and Qwen2 (q/k/v biases). Everything else is rejected with an error naming it.
+untied embeddings; optional attention and MLP biases) and Qwen2 (q/k/v biases). Everything else
+is rejected with an error naming it.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2: True)
-    mlp_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2: always), and o too (Llama only)
+    mlp_bias: bool = False  # gate/up/down projections carry biases (Llama only)
     dtype: str | None = None  # dtype the checkpoint was saved in, if it says
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -61,6 +62,11 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias: Llama's attention_bias covers it, Qwen2's not."""
+        return self.attention_bias and self.architecture == "llama"
 
     @property
     def group_size(self) -> int:
@@ -75,8 +81,8 @@ class ModelConfig:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * i
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h
         return L * per_layer + emb * (1 if self.tie_word_embeddings else 2) + h
@@ -95,6 +101,8 @@ class ModelConfig:
             raise ModelFileError(f"{source}: missing required key {e.args[0]!r}") from None
         num_kv = cfg.get("num_key_value_heads") or num_heads
         head_dim = cfg.get("head_dim") or hidden // num_heads
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedModelError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (supported: 'silu')")
         if arch == "llama" and cfg.get("sliding_window") not in (None, 0) and cfg.get("model_type") == "mistral":
             raise UnsupportedModelError(f"{source}: sliding-window attention (Mistral) is not supported")
         eos = cfg.get("eos_token_id")
@@ -112,8 +120,9 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=_rope_of(cfg, source),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            # as transformers builds them: Qwen2 always has q/k/v biases and never MLP biases
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias", False)),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

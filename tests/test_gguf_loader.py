@@ -280,6 +280,50 @@ def test_unsupported_architecture(tmp_path):
         load_gguf(path)
 
 
+def test_tiny_llama_with_every_bias_matches_transformers(tmp_path):
+    """llama.cpp's optional Llama biases (attn_output, ffn_gate/up/down) are applied, not dropped:
+    the loaded tensors are exactly a transformers Llama with attention_bias and mlp_bias, and
+    forklm's logits equal its logits."""
+    transformers = pytest.importorskip("transformers")
+    from forklm.models.llama import LlamaModel
+
+    path = tmp_path / "biases.gguf"
+    rng = np.random.default_rng(4)
+    extra = {f"blk.{i}.{name}": (rng.standard_normal(n) * 0.5, Q.F32) for i in range(2)
+             for name, n in (("attn_output.bias", 64), ("ffn_gate.bias", 96), ("ffn_up.bias", 96),
+                             ("ffn_down.bias", 64))}
+    write_tiny(path, "llama", bias=True, weight_type=Q.F32, extra_tensors=extra)
+    config, weights, _ = load_gguf(path)
+    assert config.attention_bias and config.o_proj_bias and config.mlp_bias
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6,
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False)).eval()
+    hf.load_state_dict({k: v * 0.1 for k, v in weights.items()}, strict=True)  # every tensor, no extras
+    model = LlamaModel(config, {k: v * 0.1 for k, v in weights.items()}, torch.float32, torch.device("cpu"))
+    ids = torch.from_numpy(rng.integers(0, 259, 12))
+    ours = model.forward(ids, torch.arange(len(ids)), CausalPrefill())
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+class CausalPrefill:
+    """The attention a prompt's forward needs, as plain SDPA (no KV cache)."""
+
+    def attend(self, layer, q, k, v):  # q [T, h, D], k/v [T, g, D] -> [T, h, D]
+        p = q.shape[1] // k.shape[1]
+        q, k, v = (x.transpose(0, 1) for x in (q, k.repeat_interleave(p, 1), v.repeat_interleave(p, 1)))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
+
+
+def test_llama_bias_without_its_siblings_is_refused(tmp_path):
+    path = tmp_path / "o-bias.gguf"  # an o bias without q/k/v biases: no Llama config has that
+    write_tiny(path, "llama", bias=False, layers=1, extra_tensors={"blk.0.attn_output.bias": (np.zeros(64), Q.F32)})
+    with pytest.raises(UnsupportedModelError, match="attn_output.bias"):
+        load_gguf(path)
+
+
 def test_unknown_pre_tokenizer(tmp_path):
     path = tmp_path / "pre.gguf"
     write_tiny(path, layers=1, pre="brand-new-bpe")

@@ -1,5 +1,6 @@
 """Random-weight checkpoints written by transformers' save_pretrained: forklm's logits == transformers'."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,9 @@ VARIANTS = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 32})),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
+    # q/k/v/o and gate/up/down biases (the o and MLP ones used to be dropped silently)
+    "llama-biases": (LlamaForCausalLM, LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                         attention_bias=True, mlp_bias=True)),
 }
 
 
@@ -66,6 +70,8 @@ def test_logits_match_transformers(tmp_path, variant, path):
         ref = hf(torch.cat([ids, more])[None]).logits[0]
     assert rel_err(prefill, ref[:40]) < 1e-5
     assert rel_err(steps, ref[40:]) < 1e-5
+    cfg = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
 
 
 def test_bfloat16_logits_close_to_float32(tmp_path):
@@ -108,6 +114,10 @@ def test_bad_configs_are_named(tmp_path):
                                   "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ModelFileError, match="hidden_size"):
         ModelConfig.from_hf_dict({"model_type": "llama"})
+    with pytest.raises(UnsupportedModelError, match="gelu"):  # the MLP is SiLU-gated; another activation is refused
+        ModelConfig.from_hf_dict({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10,
+                                  "hidden_act": "gelu"})
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ModelFileError, match="config.json"):
@@ -127,6 +137,36 @@ def test_missing_tensor_is_named(tmp_path):
     del w["model.layers.1.mlp.down_proj.weight"]
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
     with pytest.raises(ModelFileError, match="model.layers.1.mlp.down_proj.weight"):
+        LlamaModel(cfg, w, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("variant, extra", [
+    ("llama-mha", "model.layers.1.self_attn.o_proj.bias"),  # attention_bias is False
+    ("llama-mha", "model.layers.0.mlp.up_proj.bias"),  # mlp_bias is False
+    ("qwen2", "model.layers.0.self_attn.o_proj.bias"),  # Qwen2 has no o bias (transformers builds none)
+    ("qwen2", "model.layers.1.mlp.down_proj.bias"),
+    ("llama-mha", "model.layers.0.self_attn.q_norm.weight"),  # another architecture's tensor
+])
+def test_tensors_the_model_does_not_use_are_refused_by_name(tmp_path, variant, extra):
+    """In the file itself (written next to the checkpoint's tensors), not only in the dict."""
+    from safetensors.torch import save_file
+
+    save_random(tmp_path, variant)
+    w = load_hf_weights(tmp_path)
+    w[extra] = torch.ones(SMALL["hidden_size"])
+    save_file(w, tmp_path / "model.safetensors")
+    cfg = ModelConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(UnsupportedModelError, match=re.escape(extra)):
+        LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"))
+
+
+def test_biases_the_config_asks_for_must_be_there(tmp_path):
+    save_random(tmp_path, "llama-biases")
+    w = load_hf_weights(tmp_path)
+    del w["model.layers.1.mlp.gate_proj.bias"]
+    cfg = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias
+    with pytest.raises(ModelFileError, match="model.layers.1.mlp.gate_proj.bias"):
         LlamaModel(cfg, w, torch.float32, torch.device("cpu"))
 
 

@@ -22,6 +22,10 @@ SHAPES = {
         architectures=["Qwen2ForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
         tie_word_embeddings=False)),
+    "llama-biases": (LlamaForCausalLM, LlamaConfig, dict(
+        architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        attention_bias=True, mlp_bias=True)),
 }
 
 

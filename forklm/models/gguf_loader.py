@@ -25,10 +25,10 @@ _LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -68,7 +68,8 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
             continue
         hf_name = _hf_name(name)
         if hf_name not in expected:
-            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for this {arch} model")
+            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for this {arch} model "
+                                        f"(attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias})")
         shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims fastest-first (ne order)
         if shape != expected[hf_name]:
             raise ModelFileError(f"{path}: tensor {name!r} has shape {shape}, expected {expected[hf_name]}")
@@ -164,7 +165,8 @@ def _config_of(meta: dict[str, Any], arch: str, infos: dict[str, Any], tokenizer
             num_heads=num_heads, num_kv_heads=int(num_kv), head_dim=head_dim, max_position_embeddings=ctx,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), rope=rope,
             tie_word_embeddings="output.weight" not in infos,  # llama.cpp omits output.weight when tied
-            attention_bias="blk.0.attn_q.bias" in infos, mlp_bias=False,
+            # biases as the file has them; _expected_shapes then refuses any it has that the model cannot use
+            attention_bias="blk.0.attn_q.bias" in infos, mlp_bias=arch == "llama" and "blk.0.ffn_up.bias" in infos,
             dtype=_FILE_DTYPES.get(meta.get("general.file_type")),
             bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
         )
@@ -225,4 +227,8 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             want.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                          p + "self_attn.v_proj.bias": (kv,)})
+        if c.o_proj_bias:
+            want[p + "self_attn.o_proj.bias"] = (h,)
+        if c.mlp_bias:
+            want.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
     return want

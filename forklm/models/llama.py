@@ -1,4 +1,5 @@
-"""The Llama family (MHA, GQA, MQA; Llama-3 RoPE) and Qwen2 (q/k/v biases) as plain PyTorch.
+"""The Llama family (MHA, GQA, MQA; Llama-3 RoPE; optional attention and MLP biases) and Qwen2
+(q/k/v biases) as plain PyTorch.
 
 The model never owns a KV cache: each forward is handed an attention object (see
 `forklm/attention/forked.py`) that stores the new K/V and attends over whatever layout the
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from forklm.config import ModelConfig, RopeConfig
-from forklm.errors import ModelFileError
+from forklm.errors import ModelFileError, UnsupportedModelError
 
 
 class StepAttention(Protocol):
@@ -81,7 +82,11 @@ def weight_layout_for(dtype: torch.dtype, device: torch.device) -> str:
 
 
 class LlamaModel:
-    """Weights plus a forward pass; fused q/k/v and gate/up projections (one GEMM each)."""
+    """Weights plus a forward pass; fused q/k/v and gate/up projections (one GEMM each).
+
+    Every tensor of the checkpoint is used or refused: biases the config asks for are applied, a
+    tensor the model has no place for is an error naming it (never dropped silently).
+    """
 
     def __init__(
         self,
@@ -119,20 +124,26 @@ class LlamaModel:
         for i in range(c.num_layers):
             pre = f"model.layers.{i}."
             qkv = transposed(torch.cat([take(pre + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0))
-            bias = None
-            if f"{pre}self_attn.q_proj.bias" in weights:
-                bias = torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+            qkv_bias = gate_up_bias = down_bias = None
+            if c.attention_bias:
+                qkv_bias = torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+            if c.mlp_bias:
+                gate_up_bias = torch.cat([take(pre + "mlp.gate_proj.bias"), take(pre + "mlp.up_proj.bias")], dim=0)
+                down_bias = take(pre + "mlp.down_proj.bias")
             self.layers.append(
                 {
                     "attn_norm": take(pre + "input_layernorm.weight"),
                     "qkv": qkv,  # [H, (h + 2g)·D] ("in_out"; transposed for "out_in")
-                    "qkv_bias": bias,
+                    "qkv_bias": qkv_bias,
                     "o": transposed(take(pre + "self_attn.o_proj.weight")),  # [h·D, H]
+                    "o_bias": take(pre + "self_attn.o_proj.bias") if c.o_proj_bias else None,
                     "mlp_norm": take(pre + "post_attention_layernorm.weight"),
                     "gate_up": transposed(
                         torch.cat([take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")], dim=0)
                     ),  # [H, 2I]
+                    "gate_up_bias": gate_up_bias,
                     "down": transposed(take(pre + "mlp.down_proj.weight")),  # [I, H]
+                    "down_bias": down_bias,
                 }
             )
         self.norm = take("model.norm.weight")
@@ -143,6 +154,13 @@ class LlamaModel:
             # tied: a transposed copy for "in_out", the table itself for "out_in"
             self.lm_head = transposed(self.embed) if self.weight_layout == "in_out" else self.embed
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
+        unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))  # old files store RoPE tables
+        if unused:
+            more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+            raise UnsupportedModelError(
+                f"checkpoint has tensors a {c.architecture} model with attention_bias={c.attention_bias}, "
+                f"mlp_bias={c.mlp_bias} does not use: {', '.join(unused[:5])}{more}"
+            )
 
     def num_weight_bytes(self) -> int:
         """Bytes of all weight tensors held (the embedding table and, when tied, its transposed copy)."""
@@ -179,10 +197,10 @@ class LlamaModel:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             a = attention.attend(i, q, k, v)  # [T, h, D]
-            x = x + self._linear(a.reshape(T, h * D), layer["o"])
+            x = x + self._linear(a.reshape(T, h * D), layer["o"], layer["o_bias"])
             y = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            gate, up = self._linear(y, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer["down"])
+            gate, up = self._linear(y, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer["down"], layer["down_bias"])
         if logits_rows is not None:
             x = x[logits_rows]
         x = rms_norm(x, self.norm, c.rms_norm_eps)

@@ -91,9 +91,13 @@ def random_weights(
             if c.attention_bias:
                 w[p + f"self_attn.{name}_proj.bias"] = normal(rows)
         w[p + "self_attn.o_proj.weight"] = normal(H, c.num_heads * D)
-        w[p + "mlp.gate_proj.weight"] = normal(c.intermediate_size, H)
-        w[p + "mlp.up_proj.weight"] = normal(c.intermediate_size, H)
-        w[p + "mlp.down_proj.weight"] = normal(H, c.intermediate_size)
+        if c.o_proj_bias:
+            w[p + "self_attn.o_proj.bias"] = normal(H)
+        for name, (rows, cols) in (("gate", (c.intermediate_size, H)), ("up", (c.intermediate_size, H)),
+                                   ("down", (H, c.intermediate_size))):
+            w[p + f"mlp.{name}_proj.weight"] = normal(rows, cols)
+            if c.mlp_bias:
+                w[p + f"mlp.{name}_proj.bias"] = normal(rows)
     return w
 
 
