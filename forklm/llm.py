@@ -102,6 +102,7 @@ class LLM:
         self.config = config
         self.tokenizer = tokenizer
         self.model = LlamaModel(config, weights, self.dtype, self.device)
+        self.model.num_valid_tokens = tokenizer.vocab_size if tokenizer else config.vocab_size  # padded vocab: masked
         del weights
         eos = tuple(config.eos_token_ids) + (tuple(tokenizer.eos_token_ids) if tokenizer else ())
         # a random-weight model has no vocabulary: its "text" spells the token ids

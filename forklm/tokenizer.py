@@ -170,10 +170,11 @@ class Tokenizer:
                    extra_template_tokens={"unk_token": token("unknown"), "pad_token": token("padding")})
 
     # ------------------------------------------------------------------ text <-> ids
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        """Tokens the tokenizer knows (the model's embedding may have more rows, as padding)."""
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        """One more than the largest token id (the model's embedding may have more rows, as padding).
+        Not the number of tokens: ids may have gaps (or repeat a piece, in GGUF vocabularies)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -280,8 +281,8 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple], pr
     # An unknown pre-tokenizer is refused, not replaced: its words would split differently, so the
     # model would see token sequences it was never trained on (text still round-trips, which hides it).
     if pre not in _PRE_SPLITS:
-        raise UnsupportedModelError(
-            f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre = {pre!r} (supported: {', '.join(sorted(_PRE_SPLITS))})")
+        known = ", ".join(sorted(_PRE_SPLITS))
+        raise UnsupportedModelError(f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r} (supported: {known})")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}

@@ -170,6 +170,43 @@ def test_biases_the_config_asks_for_must_be_there(tmp_path):
         LlamaModel(cfg, w, torch.float32, torch.device("cpu"))
 
 
+def test_padded_vocabulary_ids_are_masked(tmp_path):
+    """A config vocabulary padded beyond the tokenizer's (Qwen2: 151936 rows for ~151665 tokens):
+    logits of the padding ids are -inf; the others are unchanged."""
+    save_random(tmp_path, "qwen2")
+    cfg = ModelConfig.from_json_file(tmp_path / "config.json")
+    model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"))
+    assert model.num_valid_tokens == SMALL["vocab_size"]  # nothing masked by default
+    ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(4))
+    cache = ForkedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), 1, 1, torch.float32, "cpu")
+    full = model.forward(ids, torch.arange(len(ids)), PrefillAttention(cache))
+    model.num_valid_tokens = 300
+    cache = ForkedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), 1, 1, torch.float32, "cpu")
+    masked = model.forward(ids, torch.arange(len(ids)), PrefillAttention(cache))
+    assert torch.equal(masked[:, :300], full[:, :300]) and torch.isfinite(full).all()
+    assert (masked[:, 300:] == float("-inf")).all()
+
+
+def test_padded_vocabulary_ids_are_never_sampled(tmp_path):
+    """Through `LLM`: a tokenizer of 300 tokens with a 320-row model. At temperature 50 the draw is
+    near uniform, so without the mask ~6% of the draws would be ids the tokenizer cannot decode."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from forklm import LLM
+
+    save_random(tmp_path, "qwen2")
+    backend = Backend(models.WordLevel(vocab={f"w{i}": i for i in range(300)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    assert llm.tokenizer.vocab_size == 300 and llm.config.vocab_size == 320
+    out = llm.sample("w1 w2 w3", n=16, max_tokens=24, temperature=50.0, seed=0, ignore_eos=True)
+    drawn = [t for s in out.samples for t in s.token_ids]
+    assert len(drawn) == 16 * 24 and max(drawn) < 300
+    assert len(set(drawn)) > 150  # the draws did spread over the vocabulary
+
+
 def test_weight_layouts_agree_and_the_choice_is_fixed(tmp_path):
     """Both layouts give the same logits; the default is a rule of (device, dtype), not a timing,
     so every process multiplies the same way and seeded samples repeat across runs."""

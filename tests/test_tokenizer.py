@@ -169,6 +169,17 @@ def test_from_hf_folder_bos_from_post_processor(tmp_path, tok):
     assert t.encode("hi", add_special_tokens=False) == tok.encode("hi")
 
 
+def test_vocab_size_covers_ids_past_a_gap():
+    """vocab_size bounds the ids (the model masks logits at and above it), so it is the largest id + 1,
+    not the count of tokens: a vocabulary with a gap used to hide its highest ids."""
+    from tokenizers import models
+    from tokenizers import Tokenizer as Backend
+
+    t = Tokenizer(Backend(models.WordLevel(vocab={"a": 0, "b": 1, "c": 5, "<unk>": 2}, unk_token="<unk>")))
+    assert t.vocab_size == 6
+    assert t.decode([5, 0]) == "c a" and t.id_to_token(5) == "c"
+
+
 def test_from_hf_folder_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)

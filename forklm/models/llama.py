@@ -86,6 +86,8 @@ class LlamaModel:
 
     Every tensor of the checkpoint is used or refused: biases the config asks for are applied, a
     tensor the model has no place for is an error naming it (never dropped silently).
+    `num_valid_tokens`: ids at or above it get logit -inf, so a vocabulary padded beyond the
+    tokenizer's (Qwen2: 151936 rows for ~151665 tokens) never yields an id that decodes to nothing.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.num_valid_tokens = config.vocab_size  # LLM lowers it to the tokenizer's size
         c = config
 
         def take(name: str) -> torch.Tensor:
@@ -204,4 +207,7 @@ class LlamaModel:
         if logits_rows is not None:
             x = x[logits_rows]
         x = rms_norm(x, self.norm, c.rms_norm_eps)
-        return self._linear(x, self.lm_head).float()
+        logits = self._linear(x, self.lm_head).float()
+        if self.num_valid_tokens < logits.shape[-1]:
+            logits[:, self.num_valid_tokens :] = float("-inf")  # padding rows: no token has these ids
+        return logits
