@@ -28,7 +28,7 @@ from forklm.errors import InvalidArgumentError, ModelFileError, UnsupportedModel
 _END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>")
 
 # llama.cpp token types (tokenizer.ggml.token_type)
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED = 2, 3, 4, 5
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -141,6 +141,10 @@ class Tokenizer:
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if len(types) != len(tokens):
             raise ModelFileError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
+        n = len(tokens)  # llama.cpp pads a vocabulary to the model's rows with "[PAD<id>]" UNUSED tokens:
+        while n > 1 and types[n - 1] == _UNUSED:  # not tokens (vocab_size stops before them, so they are masked)
+            n -= 1
+        tokens, types = tokens[:n], types[:n]
         merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
 
         def token(key: str) -> str | None:

@@ -221,6 +221,17 @@ def test_byte_level_pre_tokenizers(pre, expected):
     assert t.eos_token_ids == (t.vocab_size - 1, t.vocab_size - 2)
 
 
+def test_gguf_padding_tokens_are_not_tokens():
+    """llama.cpp writes a vocabulary padded to the model's rows (Qwen2: 151936 for 151665 tokens) with
+    "[PAD<id>]" tokens of type UNUSED; vocab_size stops before them, so the model masks their ids."""
+    meta = _byte_vocab_meta("qwen2")
+    n = len(meta["tokenizer.ggml.tokens"])
+    meta["tokenizer.ggml.tokens"] += [f"[PAD{i}]" for i in range(n, n + 5)]
+    meta["tokenizer.ggml.token_type"] += [5] * 5
+    t = Tokenizer.from_gguf_fields(meta)
+    assert t.vocab_size == n and t.decode(t.encode("[PAD300] hello")) == "[PAD300] hello"
+
+
 def test_unknown_pre_tokenizer_is_refused_by_name():
     """It used to fall back to GPT-2's regex silently: text round-trips, but words split unlike in training."""
     from forklm.errors import UnsupportedModelError
