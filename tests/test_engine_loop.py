@@ -108,3 +108,55 @@ def test_closed_loop_rejects(smollm2_f32):
     lp.close()
     with pytest.raises(EngineLoopClosed):
         lp.submit([1, 2], Request("x").params())
+
+
+def test_submit_racing_close_gets_an_error_not_a_wait_forever(smollm2_f32, monkeypatch):
+    """`close` landing between submit's closed-check and its hand-over to the thread (here: while
+    the request is validated) used to queue the request behind the thread's exit: a stream that
+    never ended."""
+    lp = EngineLoop(smollm2_f32.engine(num_blocks=50))
+    validate = lp.engine.validate_request
+
+    def validate_then_close(prompt_ids, params):
+        validate(prompt_ids, params)
+        lp.close()
+
+    monkeypatch.setattr(lp.engine, "validate_request", validate_then_close)
+    try:
+        stream = lp.submit([1, 2, 3], Request("x", max_tokens=2).params())
+    except EngineLoopClosed:
+        return
+    with pytest.raises(EngineLoopClosed):
+        stream.result(timeout=5)
+
+
+def test_raising_hooks_and_consumers_end_every_request_once(smollm2_f32):
+    """on_done is called once per request however it ends, also after it raised for an earlier
+    request (it used to be switched off for good: the server's in-flight count then never went
+    down again); a stream whose asyncio loop is gone has its request cancelled."""
+    done, calls = [], {"n": 0}
+
+    def on_done(event):
+        calls["n"] += 1
+        done.append(event.request_id)
+        if calls["n"] == 1:
+            raise RuntimeError("a hook that fails")
+
+    lp = EngineLoop(smollm2_f32.engine(num_blocks=100), on_done=on_done)
+    try:
+        ids = smollm2_f32.prompt_token_ids(PROMPTS[0])
+        lp.submit(ids, Request("x", max_tokens=2).params(), "a").result(60)
+        lp.submit(ids, Request("x", max_tokens=2).params(), "b").result(60)
+
+        async def first_tokens(stream):
+            async for batch in stream.batches():
+                return batch
+
+        stream = lp.submit(ids, Request("x", max_tokens=500, ignore_eos=True).params(), "c")
+        asyncio.run(first_tokens(stream))  # the consumer's event loop is closed after this
+        out = stream.result(60)
+        assert {s.finish_reason for s in out.samples} == {"cancelled"}
+        wait_idle(lp)
+        assert done == ["a", "b", "c"]
+    finally:
+        lp.close()

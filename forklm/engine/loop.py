@@ -10,7 +10,10 @@
 
 The engine is only touched by the loop thread: submissions and cancellations are queued and
 applied between steps. An exception inside a step fails the requests in flight (their streams
-receive the error, their blocks are released) and the loop goes on serving new requests.
+receive the error, their blocks are released) and the loop goes on serving new requests. Every
+request gets exactly one final event and `on_done` call, however it ends: a consumer whose stream
+cannot take events (an asyncio loop that was closed) has its request cancelled, a raising hook
+is ignored, and a request submitted as the loop closes gets EngineLoopClosed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from forklm.engine.engine import Engine
 from forklm.engine.request import TokenEvent
-from forklm.errors import ForkLMError, InvalidArgumentError
+from forklm.errors import ForkLMError
 from forklm.outputs import SampleOutput
 from forklm.sampling.params import SamplingParams
 
@@ -49,17 +52,20 @@ class RequestStream:
 
     # called on the loop thread
     def _push(self, event: TokenEvent) -> None:
+        """Raises if an attached asyncio loop is closed (the result is still set)."""
         if event.done:
             self.output, self.error = event.output, event.error
-        with self._lock:
-            if self._aio is not None:
-                loop, q = self._aio
-                loop.call_soon_threadsafe(q.put_nowait, event)
-            else:
-                self._events.put(event)
-                self._backlog.append(event)
-        if event.done:
-            self._done.set()
+        try:
+            with self._lock:
+                if self._aio is not None:
+                    loop, q = self._aio
+                    loop.call_soon_threadsafe(q.put_nowait, event)
+                else:
+                    self._events.put(event)
+                    self._backlog.append(event)
+        finally:
+            if event.done:
+                self._done.set()
 
     def __iter__(self) -> Iterator[TokenEvent]:
         while True:
@@ -137,6 +143,7 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._closed = False
+        self._lock = threading.Lock()  # `close` and the thread's exit cannot slip between a submit's check and put
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -152,7 +159,10 @@ class EngineLoop:
         rid = request_id if request_id is not None else f"loop-{next(self._ids)}"
         stream = RequestStream(rid)
         stream._wants_tokens = events
-        self._inbox.put(("add", list(prompt_ids), params, stream))
+        with self._lock:
+            if self._closed:
+                raise EngineLoopClosed("the engine loop is closed")
+            self._inbox.put(("add", list(prompt_ids), params, stream))
         self._wake.set()
         return stream
 
@@ -161,33 +171,45 @@ class EngineLoop:
         self._wake.set()
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Stops the thread; requests still in flight are cancelled."""
-        self._closed = True
-        self._inbox.put(("close",))
+        """Stops the thread; requests still in flight fail with EngineLoopClosed."""
+        with self._lock:
+            self._closed = True
+            self._inbox.put(("close",))
         self._wake.set()
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         engine = self.engine
-        while True:
-            if not self._drain_inbox():
-                break
-            if not engine.has_unfinished():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            t0 = time.perf_counter()
-            try:
-                engine.step()
-            except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
-                self._fail_all(exc)
-            if self.on_step is not None:
+        try:
+            while self._drain_inbox():
+                if not engine.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                t0 = time.perf_counter()
                 try:
-                    self.on_step(engine, time.perf_counter() - t0)
-                except Exception:  # noqa: BLE001 - an observer must not stop the engine
-                    self.on_step = None
-        self._fail_all(EngineLoopClosed("the engine loop was closed"))
+                    engine.step()
+                except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
+                    self._fail_all(exc)
+                if self.on_step is not None:
+                    try:
+                        self.on_step(engine, time.perf_counter() - t0)
+                    except Exception:  # noqa: BLE001 - an observer must not stop the engine
+                        pass
+        finally:  # closed, or a bug in this loop: no request may wait forever
+            with self._lock:
+                self._closed = True
+            closed = EngineLoopClosed("the engine loop was closed")
+            self._fail_all(closed)
+            while True:  # submissions queued before the close
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] == "add":
+                    stream = item[3]
+                    self._deliver(stream)(TokenEvent(stream.request_id, done=True, error=closed))
 
     def _drain_inbox(self) -> bool:
         while True:
@@ -204,18 +226,25 @@ class EngineLoop:
             deliver = self._deliver(stream)
             try:
                 self.engine.add_request(prompt_ids, params, stream.request_id, on_event=deliver)
-            except InvalidArgumentError as exc:
+            except Exception as exc:  # noqa: BLE001 - InvalidArgumentError, or a bug: this request fails
                 deliver(TokenEvent(stream.request_id, done=True, error=exc))
 
     def _deliver(self, stream: RequestStream) -> Callable[[TokenEvent], None]:
+        """The engine's callback for one request; it never raises into the engine."""
+
         def deliver(event: TokenEvent) -> None:
-            if event.done or stream._wants_tokens:
-                stream._push(event)
-            if event.done and self.on_done is not None:
-                try:
-                    self.on_done(event)
-                except Exception:  # noqa: BLE001 - an observer must not stop the engine
-                    self.on_done = None
+            try:
+                if event.done or stream._wants_tokens:
+                    stream._push(event)
+            except Exception:  # noqa: BLE001 - nobody can read this request any more: stop it
+                if not event.done:
+                    self._inbox.put(("cancel", stream.request_id))
+            finally:
+                if event.done and self.on_done is not None:
+                    try:
+                        self.on_done(event)
+                    except Exception:  # noqa: BLE001 - a hook's failure must not cost the next request its call
+                        pass
 
         return deliver
 
