@@ -133,8 +133,8 @@ def test_text_offsets_point_at_each_tokens_first_character(tok, token_pool):
     rng = random.Random(7)
     for trial in range(200):
         ids = [rng.choice(partial if rng.random() < 0.3 else pool) for _ in range(rng.randint(1, 30))]
-        whole = TextOffsets(tok.token_bytes).next(ids)
-        chunked, stream = [], TextOffsets(tok.token_bytes)
+        whole = TextOffsets(tok).next(ids)
+        chunked, stream = [], TextOffsets(tok)
         i = 0
         while i < len(ids):
             j = i + rng.randint(1, 4)
@@ -149,7 +149,7 @@ def test_text_offsets_point_at_each_tokens_first_character(tok, token_pool):
             assert off == complete, (trial, ids, whole)
             raw += tok.token_bytes(t)
     ascii_ids = tok.encode("def f(x):\n    return x\n", add_special_tokens=False)
-    offs = TextOffsets(tok.token_bytes).next(ascii_ids)
+    offs = TextOffsets(tok).next(ascii_ids)
     assert offs == [sum(len(tok.token_bytes(t)) for t in ascii_ids[:k]) for k in range(len(ascii_ids))]
 
 
@@ -258,3 +258,43 @@ def test_windowed_stop_check_with_a_byte_fallback_tokenizer():
         assert (got.finish_reason, got.stop_reason, got.text) == (ref.finish_reason, ref.stop_reason, ref.text)
         stopped += got.finish_reason == "stop"
     assert stopped > 150
+
+
+def test_text_offsets_with_a_sentencepiece_tokenizer():
+    """SentencePiece (Llama-2, Mistral, GGUF 'llama' tokenizers) writes a space as U+2581 and decoding
+    strips the text's leading one: "\u2581hello\u2581world" is "hello world", so the second token
+    starts at 5, not 6. Special tokens that decoding skips take no characters; byte-fallback
+    pieces of a character point at it. text_offset[i] = len(decode(ids[:i])) wherever that
+    prefix is final text."""
+    from test_tokenizer import _spm_meta
+
+    from forklm.server.text_stream import TextOffsets
+    from forklm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_fields(_spm_meta())
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert [tok.id_to_token(i) for i in ids] == ["\u2581hello", "\u2581world"]
+    assert tok.decode(ids) == "hello world"
+    assert TextOffsets(tok).next(ids) == [0, 5]
+
+    rng = random.Random(11)
+    words = ["hello", " world", " wor", "ld", "☃", "é", "  ", "\n", "12", " h"]
+    checked = 0
+    for trial in range(400):
+        ids = tok.encode("".join(rng.choice(words) for _ in range(rng.randint(1, 12))), add_special_tokens=False)
+        for _ in range(rng.randint(0, 2)):  # special tokens anywhere, the start included
+            ids.insert(rng.randint(0, len(ids)), rng.choice([1, 2]))
+        offsets, stream = [], TextOffsets(tok)
+        i = 0
+        while i < len(ids):  # streamed in chunks: equal to all at once
+            j = i + rng.randint(1, 3)
+            offsets += stream.next(ids[i:j])
+            i = j
+        assert offsets == TextOffsets(tok).next(ids)
+        full = tok.decode(ids)
+        for k, off in enumerate(offsets):
+            before = tok.decode(ids[:k])
+            if full.startswith(before) and not before.endswith("\ufffd"):
+                assert off == len(before), (trial, ids, k, offsets)
+                checked += 1
+    assert checked > 1000

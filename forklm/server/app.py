@@ -201,7 +201,7 @@ class _Server:
                             offsets: TextOffsets | None = None) -> dict:
         """`offsets` carries a streamed sample's position from chunk to chunk (None: from 0)."""
         tokens = [self.token_text(t) for t in sample_ids]
-        offsets = offsets or TextOffsets(self.llm.tokenizer.token_bytes)
+        offsets = offsets or TextOffsets(self.llm.tokenizer)
         top = []
         for i, (t, lp) in enumerate(zip(tokens, lps)):
             alts = {self.token_text(a): v for a, v in (tops[i] if tops else [])[:k]}
@@ -492,7 +492,7 @@ class _Responder:
         n = self.body.n
         texts = {(p, i): SampleTextStream(self.server.llm.tokenizer.decode, job.params.stop)
                  for p, job in enumerate(self.jobs) for i in range(n)}
-        offsets = {key: TextOffsets(self.server.llm.tokenizer.token_bytes) for key in texts}
+        offsets = {key: TextOffsets(self.server.llm.tokenizer) for key in texts}
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         tasks = [asyncio.create_task(pump(p, job)) for p, job in enumerate(self.jobs)]

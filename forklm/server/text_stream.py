@@ -58,18 +58,33 @@ class TextOffsets:
     a multi-byte character adds no character until the character completes, and a token that
     starts inside one points at that character. (Counting the lengths of the tokens' labels, as
     "bytes:\\xe4" for such pieces, overcounts.) Invalid bytes count one U+FFFD each, as in the
-    decoded text.
+    decoded text. Two things the decoder does are followed as well: special tokens that decoding
+    skips add nothing, and a leading space that it strips from the text (SentencePiece's
+    "\u2581hello" at the start decodes to "hello") is not counted; the first token with text is
+    decoded once to see how many characters it keeps.
+
+    `tokenizer`: a `forklm.tokenizer.Tokenizer` (token_bytes, decode, special_token_ids).
     """
 
-    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
-        self.token_bytes = token_bytes
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0  # characters completed so far
+        self.chars = 0  # characters completed so far, by the tokens' bytes
+        self._lead: int | None = None  # characters decoding drops at the start (None: no text yet)
+        self._head: list[int] = []  # the tokens up to the first character, until _lead is known
 
     def next(self, token_ids: list[int]) -> list[int]:
         """Offsets of these tokens (which follow the ones already given)."""
+        tok = self.tokenizer
         out = []
         for t in token_ids:
-            out.append(self.chars)
-            self.chars += len(self._decoder.decode(self.token_bytes(t)))
+            out.append(self.chars - (self._lead or 0))
+            skipped = t in tok.special_token_ids and tok.decode([t]) == ""
+            if not skipped:
+                self.chars += len(self._decoder.decode(tok.token_bytes(t)))
+            if self._lead is None:
+                self._head.append(t)
+                if self.chars:
+                    self._lead = max(self.chars - len(tok.decode(self._head)), 0)
+                    self._head = []
         return out
