@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", default="256,1024,2048,4096", help="context lengths m_c (default: 256,1024,2048,4096)")
     b.add_argument("--ns", default="1,8,32,64", help="sample counts n (default: 1,8,32,64)")
     b.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sample (default: 64)")
-    b.add_argument("--paths", default="standard,bifurcated,auto", help="forklm attention paths to time")
+    b.add_argument("--paths", default="standard,bifurcated,auto,single-request",
+                   help="forklm paths to time: the engine with shared segments read standard, bifurcated or auto; "
+                        "single-request: the reference stack LLM.sample ran before the engine")
     b.add_argument("--repeats", type=int, default=1,
                    help="run the forklm paths this many times per point, interleaved, and report each "
                         "path's fastest run (default: 1)")

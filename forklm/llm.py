@@ -10,7 +10,6 @@ import torch
 
 from forklm.device import available_memory_bytes, resolve_device, resolve_dtype
 from forklm.engine.engine import Engine, EngineConfig
-from forklm.engine.forked import generate_forked
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
 from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
@@ -152,14 +151,25 @@ class LLM:
         top_logprobs: int = 0,
         attention: str = "auto",
     ) -> SampleOutput:
-        """Draws n samples of one prompt; the prompt is prefilled once and its KV read once per step."""
+        """Draws n samples of one prompt on the engine: the prompt is prefilled once (or found in
+        the prefix cache), its KV shared by the n samples and read once per decode step.
+
+        attention: how shared prompt segments are read: "auto" (the measured rule), "bifurcated"
+        (one product for all samples) or "standard" (once per sample, as conventional engines do).
+        """
         req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos,
                       top_logprobs)
         params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
-        self.check_fits(len(prompt_ids), params)
-        self._check_stop(params)
-        return generate_forked(self.model, self.decode, prompt_ids, params, self.eos_token_ids)
+        engine = self.default_engine() if attention == "auto" else self._engine_for(attention)
+        self._check_results_memory(params)
+        state = engine.add_request(prompt_ids, params)
+        try:
+            engine.run()
+        except BaseException:
+            engine.abort(state.request_id)  # releases its blocks now
+            raise
+        return state.output
 
     def generate(self, requests: Sequence[dict | Request], **engine_options: Any) -> list[SampleOutput]:
         """Runs many requests together through the engine (paged KV, prefix cache, continuous
@@ -174,9 +184,10 @@ class LLM:
             raise InvalidArgumentError("requests must be a list of dicts or forklm.Request objects")
         specs = [Request.from_any(r, i) for i, r in enumerate(requests)]
         prepared = [(self.prompt_token_ids(r.prompt), r.params()) for r in specs]
-        for _, params in prepared:
-            self._check_stop(params)
         engine = self.engine(**engine_options) if engine_options else self.default_engine()
+        for ids, params in prepared:
+            engine.validate_request(ids, params)
+            self._check_results_memory(params)
         states = []
         try:
             for ids, params in prepared:
@@ -190,15 +201,8 @@ class LLM:
 
     def engine(self, **options: Any) -> Engine:
         """A new engine over this model (`EngineConfig` options)."""
-        return Engine(self.model, self.decode, self.eos_token_ids, EngineConfig(**options))
-
-    def _check_stop(self, params: SamplingParams) -> None:
-        V = self.config.vocab_size
-        if any(t >= V for t in params.stop_token_ids):
-            raise InvalidArgumentError(f"stop_token_ids must be token ids in [0, {V})")
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgumentError(f"stop: {self.source} has no tokenizer, so stop strings cannot match; "
-                                       "use stop_token_ids")
+        return Engine(self.model, self.decode, self.eos_token_ids, EngineConfig(**options),
+                      has_tokenizer=self.tokenizer is not None)
 
     def default_engine(self) -> Engine:
         """This LLM's shared engine (created on first use; its prefix cache persists)."""
@@ -206,36 +210,35 @@ class LLM:
             self._engine = self.engine()
         return self._engine
 
-    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """Context length and memory checks, before anything is allocated."""
-        limit = self.config.max_position_embeddings
-        if prompt_len + params.max_tokens > limit:
-            raise InvalidArgumentError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context length of {limit} tokens"
-            )
-        need = self.memory_needed(prompt_len, params)
-        have = available_memory_bytes(self.device)
+    def _engine_for(self, attention: str) -> Engine:
+        """The engine `sample(attention=...)` runs on: one per forced shared-attention path."""
+        if attention not in ("bifurcated", "standard"):
+            raise InvalidArgumentError(f"attention must be one of ('auto', 'bifurcated', 'standard'), got {attention!r}")
+        engines = self.__dict__.setdefault("_engines_by_attention", {})
+        if attention not in engines:
+            engines[attention] = self.engine(shared_attention=attention)
+        return engines[attention]
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets the cached prompts of this LLM's engines (benchmarks time cold prefills)."""
+        for engine in [getattr(self, "_engine", None), *self.__dict__.get("_engines_by_attention", {}).values()]:
+            if engine is not None:
+                engine.clear_prefix_cache()
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's request checks (one place: `engine/validation.py`)."""
+        self.default_engine().validate_request(prompt_ids, params)
+
+    def _check_results_memory(self, params: SamplingParams) -> None:
+        """The engine runs any n in waves, but the results live in host memory: refuse a request
+        whose token lists alone would not fit."""
+        need = params.n * (params.max_tokens * 80 + 2048)  # ids, log-probs, text (Python objects)
+        have = available_memory_bytes(torch.device("cpu"))
         if need > 0.9 * have:
             raise OutOfMemoryError(
-                f"n={params.n} with prompt {prompt_len} + max_tokens {params.max_tokens} needs about "
-                f"{need / 2**30:.2f} GiB of {self.device.type} memory, but only {have / 2**30:.2f} GiB is available; "
-                "lower n or max_tokens"
+                f"n={params.n} with max_tokens {params.max_tokens} needs about {need / 2**30:.2f} GiB of host "
+                f"memory for its results, but only {have / 2**30:.2f} GiB is available; lower n or max_tokens"
             )
-
-    def memory_needed(self, prompt_len: int, params: SamplingParams) -> int:
-        """Bytes a request allocates: prompt KV once, each sample's own KV, working tensors."""
-        c = self.config
-        e = torch.finfo(self.dtype).bits // 8
-        kv_tok = c.kv_bytes_per_token(e)
-        kv = kv_tok * (prompt_len + params.n * params.max_tokens)
-        # Prefill activations: hidden states, MLP and per-head attention scores of one chunk.
-        prefill = prompt_len * (4 * c.hidden_size + 2 * c.intermediate_size + 2 * c.num_heads * c.head_dim) * 4
-        # Decode working set: logits and sampling buffers (float32), per-layer activations,
-        # one copy of the own KV while finished samples are compacted out.
-        decode = params.n * (6 * c.vocab_size + 8 * c.hidden_size + 4 * c.intermediate_size) * 4
-        compaction = kv_tok // c.num_layers * params.n * params.max_tokens * 2
-        return kv + max(prefill, decode) + compaction
 
     def __repr__(self) -> str:
         return f"LLM({str(self.source)!r}, dtype={self.dtype}, device={self.device})"

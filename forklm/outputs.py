@@ -31,11 +31,17 @@ class Stats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the engine's prefix cache
     generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    steps: int = 0  # decode forward passes
+    queue_s: float = 0.0  # submitted -> admitted (waiting for memory or its turn)
+    prefill_s: float = 0.0  # admitted -> first token (the prompt's prefill)
+    decode_s: float = 0.0  # first token -> last token
+    steps: int = 0  # engine steps that gave this request tokens
     path_steps: dict[str, int] = field(default_factory=dict)  # steps taken by each attention path
     step_s: list[float] = field(default_factory=list, repr=False)  # wall time of each decode step
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: queueing + prefill."""
+        return self.queue_s + self.prefill_s
 
     @property
     def median_step_s(self) -> float:
@@ -50,7 +56,8 @@ class Stats:
     def summary(self) -> str:
         paths = ", ".join(f"{k} {v}" for k, v in sorted(self.path_steps.items())) or "-"
         return (
-            f"prompt {self.prompt_tokens} tok | prefill {self.prefill_s:.3f} s | "
+            f"prompt {self.prompt_tokens} tok ({self.cached_prompt_tokens} cached) | queue {self.queue_s:.3f} s | "
+            f"prefill {self.prefill_s:.3f} s | "
             f"decode {self.decode_s:.3f} s, {self.steps} steps ({paths}) | "
             f"{self.generated_tokens} tok generated, {self.tokens_per_s:.1f} tok/s"
         )

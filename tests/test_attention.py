@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from forklm.attention.forked import DecodeAttention, PrefillAttention
+from forklm.reference.forked_attention import DecodeAttention, PrefillAttention
 from forklm.attention.reference import reference_decode_attention
 from forklm.attention.segments import attend_segment, attend_segment_matmul, merge_partials
-from forklm.cache.forked_kv import ForkedKVCache
+from forklm.reference.forked_kv import ForkedKVCache
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

@@ -43,7 +43,7 @@ def test_bench_smoke(tmp_path, capsys):
     meta, points = doc["meta"], doc["points"]
     assert meta["dtype"] == "float32" and meta["new_tokens"] == 3
     assert meta["ceilings"]["bandwidth_GBps"] > 0 and meta["ceilings"]["matmul_GFLOPs"] > 0
-    impls = ["forklm-standard", "forklm-bifurcated", "forklm-auto", "transformers"]
+    impls = ["forklm-standard", "forklm-bifurcated", "forklm-auto", "forklm-single-request", "transformers"]
     expected = [(m_c, n, impl) for m_c in (16, 32) for n in (1, 3) for impl in impls]
     assert [(p["m_c"], p["n"], p["impl"]) for p in points] == expected
     for p in points:

@@ -7,6 +7,7 @@ import pytest
 
 from forklm import InvalidArgumentError, Request
 from forklm.engine.request import Status
+from forklm.reference.single_request import sample_single_request
 
 from conftest import fail_forward_call
 
@@ -35,7 +36,7 @@ def submit(llm, engine, specs):
 
 def assert_same_as_sample(llm, specs, outputs):
     for spec, out in zip(specs, outputs):
-        ref = llm.sample(**spec)
+        ref = sample_single_request(llm, **spec)  # the reference stack, not the engine
         assert len(out.samples) == len(ref.samples)
         for a, b in zip(out.samples, ref.samples):
             assert a.token_ids == b.token_ids, f"sample {a.index} of {spec['prompt']!r} differs"
@@ -76,7 +77,7 @@ def test_llm_generate_api(smollm2_f32):
     specs = mixed_specs()[:2]
     outs = llm.generate(specs + [Request(CODE, n=2, max_tokens=5, seed=9)])
     assert len(outs) == 3 and [len(o.samples) for o in outs] == [4, 3, 2]
-    assert outs[2].samples[0].token_ids == llm.sample(CODE, n=2, max_tokens=5, seed=9).samples[0].token_ids
+    assert outs[2].samples[0].token_ids == sample_single_request(llm, CODE, n=2, max_tokens=5, seed=9).samples[0].token_ids
     assert llm.default_engine().blocks_in_use() == 0
 
 
@@ -102,7 +103,7 @@ def test_request_that_can_never_fit_is_rejected(smollm2_f32):
     assert not engine.has_unfinished()
     st = submit(llm, engine, [dict(prompt=CODE, n=2, max_tokens=4, seed=0)])[0]
     run_checked(engine)
-    assert st.output.samples[0].token_ids == llm.sample(CODE, n=2, max_tokens=4, seed=0).samples[0].token_ids
+    assert st.output.samples[0].token_ids == sample_single_request(llm, CODE, n=2, max_tokens=4, seed=0).samples[0].token_ids
 
 
 def test_random_cancellations_release_everything(smollm2_f32):
@@ -231,4 +232,4 @@ def test_generate_failure_releases_blocks(smollm2_f32, monkeypatch):
     engine.check_integrity()
     monkeypatch.setattr(llm.model, "forward", real_forward)
     out = llm.generate([dict(prompt=CODE, n=2, max_tokens=4, seed=1)])
-    assert out[0].samples[0].token_ids == llm.sample(CODE, n=2, max_tokens=4, seed=1).samples[0].token_ids
+    assert out[0].samples[0].token_ids == sample_single_request(llm, CODE, n=2, max_tokens=4, seed=1).samples[0].token_ids

@@ -9,7 +9,7 @@ to 5, some arriving while others run, some cancelled at random moments. EOS is t
 sometimes end on their first token. After every `step()` the engine's block bookkeeping is
 checked; at the end no block may be held and nothing may be unfinished; every request that was
 not cancelled must give exactly the tokens (and finish reasons, texts, log-probs) of
-`generate_forked`, the single-request path, run alone with the same seed; the samples of a
+`generate_single_request`, the single-request path, run alone with the same seed; the samples of a
 cancelled request must be prefixes of the reference; streamed events must agree with the output.
 Aggregated over all scenarios, sample preemption, whole-request preemption, prefix-cache hits,
 cancellations (of queued and of running requests), first-token EOS and shared (bifurcated) reads
@@ -38,7 +38,7 @@ from collections import Counter, defaultdict
 import torch
 
 from forklm.engine.engine import Engine, EngineConfig
-from forklm.engine.forked import generate_forked
+from forklm.reference.single_request import generate_single_request
 from forklm.models.llama import LlamaModel
 from forklm.sampling.params import SamplingParams
 
@@ -71,7 +71,7 @@ _REFERENCE: dict[tuple, object] = {}
 def reference(prompt: list[int], params: SamplingParams):
     key = (tuple(prompt), params)
     if key not in _REFERENCE:
-        _REFERENCE[key] = generate_forked(tiny_model(), decode, prompt, params, (EOS,))
+        _REFERENCE[key] = generate_single_request(tiny_model(), decode, prompt, params, (EOS,))
     return _REFERENCE[key]
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from forklm.attention.forked import DecodeAttention, PrefillAttention
-from forklm.cache.forked_kv import ForkedKVCache
+from forklm.reference.forked_attention import DecodeAttention, PrefillAttention
+from forklm.reference.forked_kv import ForkedKVCache
 from forklm.config import ModelConfig
 from forklm.errors import ModelFileError, UnsupportedModelError
 from forklm.models.hf_loader import load_hf_weights

@@ -231,7 +231,7 @@ def test_lane_groups_are_one_strided_read(dtype):
     plan = planner.plan([DecodeRow(t, p, key=i) for i, (t, p) in enumerate(rows)], [])
     assert [tg.num_rows for tg in plan.tails if tg.num_rows > 1] == [n]
     lane_group = next(tg for tg in plan.tails if tg.num_rows == n)
-    assert lane_group.stride == K_blocks * bs and lane_group.length == 7
+    assert [r.stride for r in lane_group.runs] == [K_blocks * bs] and lane_group.length == 7
     assert plan.segments and plan.segments[0].row1 - plan.segments[0].row0 == n + 1  # prompt: lane + the shorter sample
     q = torch.randn(len(rows), h, D, generator=gen).to(dtype)
     k = torch.randn(len(rows), g, D, generator=gen).to(dtype)
@@ -252,3 +252,23 @@ def test_no_context_is_copied_for_fragmented_segments():
     rows = [([9, 3, 7, 1, 20], 17), ([9, 3, 7, 1, 21], 18)]
     plan = build_step_plan(rows, [], bs, "bifurcated", torch.device("cpu"))
     assert [(e.first_slot, e.length) for e in plan.segments] == [(36, 4), (12, 4), (28, 4), (4, 4)]
+
+
+def test_lane_groups_with_two_extents():
+    """Samples that outgrew their first lane and took a second one, allocated together: both
+    runs of every row line up (two strided reads for the group), merged exactly."""
+    gen = torch.Generator().manual_seed(12)
+    bs, h, g, D, n = 4, 4, 2, 8, 4
+    kv = PagedKVCache(_config(h, g, D), 80, bs, torch.float32, torch.device("cpu"))
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    rows = [([0, 1] + [10 + 2 * i, 11 + 2 * i] + [40 + 3 * i, 41 + 3 * i], 8 + 8 + 5) for i in range(n)]
+    rows.append(([0, 1, 70, 72], 8 + 6))  # a sibling with a scattered tail (two single-block runs)
+    plan = StepPlanner(bs, "bifurcated", torch.device("cpu")).plan([DecodeRow(t, p, 2) for t, p in rows], [])
+    group = next(tg for tg in plan.tails if tg.num_rows == n)
+    assert [(r.stride, r.length) for r in group.runs] == [(8, 8), (12, 6)]
+    q = torch.randn(len(rows), h, D, generator=gen)
+    k = torch.randn(len(rows), g, D, generator=gen)
+    v = torch.randn(len(rows), g, D, generator=gen)
+    out = PagedAttention(kv, plan).attend(0, q, k, v)
+    _check_rows(kv, rows, out, q, bs, 1e-5)

@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from forklm import LLM
-from forklm.attention.forked import PrefillAttention
-from forklm.cache.forked_kv import ForkedKVCache
+from forklm.reference.forked_attention import PrefillAttention
+from forklm.reference.forked_kv import ForkedKVCache
 from forklm.errors import InvalidArgumentError
 from forklm.models.random_weights import NAMED_SHAPES, random_config, random_model, random_weights
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from forklm.attention.forked import DecodeAttention, PrefillAttention
-from forklm.cache.forked_kv import ForkedKVCache
+from forklm.reference.forked_attention import DecodeAttention, PrefillAttention
+from forklm.reference.forked_kv import ForkedKVCache
 
 from conftest import rel_err
 

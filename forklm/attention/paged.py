@@ -54,15 +54,25 @@ class DecodeRow:
 
 
 @dataclass
+class StridedRun:
+    first_slot: int
+    stride: int  # slots between consecutive rows' runs (0 while the group has one row)
+    length: int
+
+
+@dataclass
 class TailGroup:
-    """Plan rows [row0, row0 + num_rows) read one run each: `length` slots from
-    `first_slot + i * stride` for plan row row0 + i (one strided view, one product)."""
+    """Plan rows [row0, row0 + num_rows) whose tails line up: run j of plan row row0 + i is the
+    `runs[j].length` slots from `runs[j].first_slot + i * runs[j].stride` (one strided view and
+    one product per run; run 0 gives the rows' first partial output, later runs are merged)."""
 
     row0: int
     num_rows: int
-    first_slot: int
-    stride: int
-    length: int
+    runs: list[StridedRun]
+
+    @property
+    def length(self) -> int:
+        return sum(r.length for r in self.runs)
 
 
 @dataclass
@@ -192,7 +202,7 @@ class StepPlanner:
         # then single-run tails by (length, first slot) so strided lane groups line up.
         order = sorted(
             range(len(rows)),
-            key=lambda i: (prefixes[i], len(tails[i]) != 1, tails[i][-1][1], tails[i][0][0]),
+            key=lambda i: (prefixes[i], [n for _, n in tails[i]], tails[i][0][0]),
         )
         position_of = [0] * len(rows)
         for pos, i in enumerate(order):
@@ -202,26 +212,18 @@ class StepPlanner:
         if self.decode_kernel == "triton":
             self._kernel_plan(plan, rows, order, position_of, segments, tail_start)
             return
-        # Tails: every plan row's first run, grouped into strided views where they line up.
+        # Tails: neighbouring plan rows whose runs have equal lengths at constant strides.
         groups: list[TailGroup] = []
         for pos, i in enumerate(order):
-            first, length = tails[i][0]
+            runs = tails[i]
             last = groups[-1] if groups else None
-            if (
-                last is not None
-                and len(tails[i]) == 1
-                and length == last.length
-                and len(tails[order[last.row0]]) == 1
-                and (
-                    (last.num_rows == 1 and first > last.first_slot)
-                    or (last.num_rows > 1 and first == last.first_slot + last.num_rows * last.stride)
-                )
-            ):
+            if last is not None and _extends(last, runs):
                 if last.num_rows == 1:
-                    last.stride = first - last.first_slot
+                    for sr, (first, _) in zip(last.runs, runs):
+                        sr.stride = first - sr.first_slot
                 last.num_rows += 1
             else:
-                groups.append(TailGroup(pos, 1, first, 0, length))
+                groups.append(TailGroup(pos, 1, [StridedRun(first, 0, n) for first, n in runs]))
         plan.tails = groups
         extra: list[ExtraRead] = []
         for seg in segments:
@@ -236,9 +238,6 @@ class StepPlanner:
             for first, n in slot_runs(seg.blocks, 0, tokens, bs):
                 extra.append(ExtraRead(r0, r1, first, n, bif))
             plan.num_shared_reads += bif
-        for pos, i in enumerate(order):
-            for first, n in tails[i][1:]:
-                extra.append(ExtraRead(pos, pos + 1, first, n, False))
         plan.extra = extra
 
     def _shared(self, rows: Sequence[DecodeRow], prefixes: list[tuple]) -> tuple[list[SharedSegment], list[int]]:
@@ -264,6 +263,24 @@ class StepPlanner:
             for seg in segments
         ]
         plan.num_shared_reads = len(segments)
+
+
+def _extends(group: TailGroup, runs: Runs) -> bool:
+    """Whether a row with these tail runs continues `group` (same lengths, constant strides)."""
+    if len(runs) != len(group.runs):
+        return False
+    k = group.num_rows
+    for sr, (first, n) in zip(group.runs, runs):
+        if n != sr.length:
+            return False
+        if k == 1:
+            if first <= sr.first_slot:
+                return False
+        elif first != sr.first_slot + k * sr.stride:
+            return False
+    if k == 1:  # every run must step by a stride of its own that keeps the rows apart
+        return all(first - sr.first_slot >= sr.length for sr, (first, _) in zip(group.runs, runs))
+    return True
 
 
 def build_step_plan(
@@ -317,21 +334,30 @@ class PagedAttention:
             o, _ = segment_attention(q, self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, scale)
             return o
         K, V = self.kv.k[layer], self.kv.v[layer]  # [g, slots, D]
-        outs, lses = [], []
+        outs, lses, later = [], [], []
         for tg in plan.tails:
             s = tg.num_rows
-            size = (s, g, tg.length, D)
-            strides = (tg.stride * D, K.stride(0), D, 1)
-            kt = K.as_strided(size, strides, K.storage_offset() + tg.first_slot * D)
-            vt = V.as_strided(size, strides, V.storage_offset() + tg.first_slot * D)
-            o_t, lse_t = attend_segment(q[tg.row0 : tg.row0 + s].view(s, g, p, D), kt, vt, scale)
-            outs.append(o_t.reshape(s, h, D))
-            lses.append(lse_t.reshape(s, h))
+            qg = q[tg.row0 : tg.row0 + s].view(s, g, p, D)
+            for j, sr in enumerate(tg.runs):
+                size = (s, g, sr.length, D)
+                strides = (sr.stride * D, K.stride(0), D, 1)
+                kt = K.as_strided(size, strides, K.storage_offset() + sr.first_slot * D)
+                vt = V.as_strided(size, strides, V.storage_offset() + sr.first_slot * D)
+                o_t, lse_t = attend_segment(qg, kt, vt, scale)
+                if j == 0:
+                    outs.append(o_t.reshape(s, h, D))
+                    lses.append(lse_t.reshape(s, h))
+                else:
+                    later.append((tg.row0, s, o_t.reshape(s, h, D), lse_t.reshape(s, h)))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if not plan.extra:
+        if not plan.extra and not later:
             return o
         lse = lses[0] if len(lses) == 1 else torch.cat(lses)
         o = o.float()
+        for r0, s, o_s, lse_s in later:
+            o_m, lse_m = merge_partials(o[r0 : r0 + s], lse[r0 : r0 + s], o_s, lse_s)
+            o[r0 : r0 + s] = o_m
+            lse[r0 : r0 + s] = lse_m
         for e in plan.extra:
             s = e.row1 - e.row0
             qs = q[e.row0 : e.row1]

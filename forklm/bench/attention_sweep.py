@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from forklm.attention.forked import DecodeAttention
-from forklm.cache.forked_kv import ForkedKVCache
+from forklm.reference.forked_attention import DecodeAttention
+from forklm.reference.forked_kv import ForkedKVCache
 
 
 def time_path(path: str, b: int, m_c: int, own: int, g: int, p: int, D: int, dtype: torch.dtype, reps: int) -> float:

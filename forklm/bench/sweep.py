@@ -34,7 +34,9 @@ from forklm.bench.memory import PeakMemory
 TEMPERATURE = 0.8
 TOP_P = 0.95
 SEED = 0
-FORKLM_PATHS = ("standard", "bifurcated", "auto")
+FORKLM_PATHS = ("standard", "bifurcated", "auto", "single-request")
+# "single-request": the reference stack `LLM.sample` ran before it moved onto the engine
+# (forklm/reference/), timed side by side as the baseline the engine must match.
 HF_IMPL = "transformers"
 
 # The synthetic prompt: this snippet's token ids, repeated and cut to m_c tokens.
@@ -138,7 +140,8 @@ def _is_oom(e: BaseException) -> bool:
 
 
 class ForkLMRunner:
-    """Times `LLM.sample` on one attention path."""
+    """Times `LLM.sample` (the engine) on one attention path, or the single-request reference.
+    The engine's prefix cache is cleared before each run, so every run prefills its prompt."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
@@ -146,20 +149,27 @@ class ForkLMRunner:
     def warm_up(self, prompt: list[int], paths: list[str]) -> None:
         """One short call per path, so first-call costs stay out of the timings."""
         for path in paths:
-            self.llm.sample(prompt[:16], n=2, max_tokens=2, temperature=TEMPERATURE, top_p=TOP_P, seed=SEED,
-                            ignore_eos=True, attention=path)
+            self._sample(path, prompt[:16], n=2, max_tokens=2)
+
+    def _sample(self, path: str, prompt: list[int], n: int, max_tokens: int) -> Any:
+        kw = dict(max_tokens=max_tokens, temperature=TEMPERATURE, top_p=TOP_P, seed=SEED, ignore_eos=True)
+        if path == "single-request":
+            from forklm.reference.single_request import sample_single_request
+
+            return sample_single_request(self.llm, prompt, n, **kw)
+        self.llm.clear_prefix_cache()
+        return self.llm.sample(prompt, n=n, attention=path, **kw)
 
     def run(self, path: str, prompt: list[int], n: int, new_tokens: int) -> Measured:
         with PeakMemory(self.llm.device) as mem:
-            out = self.llm.sample(prompt, n=n, max_tokens=new_tokens, temperature=TEMPERATURE, top_p=TOP_P,
-                                  seed=SEED, ignore_eos=True, attention=path)
+            out = self._sample(path, prompt, n, new_tokens)
         st = out.stats
         if st.generated_tokens != n * new_tokens:
             raise RuntimeError(f"forklm generated {st.generated_tokens} tokens, expected {n * new_tokens}")
         return Measured(
             prefill_s=st.prefill_s,
             decode_s=st.decode_s,
-            e2e_s=st.prefill_s + st.decode_s,
+            e2e_s=st.queue_s + st.prefill_s + st.decode_s,
             step_s=st.median_step_s,
             tokens_per_s=st.tokens_per_s,
             peak_mem_mib=mem.peak_mib,

@@ -28,12 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from forklm.attention.paged import PagedAttention, build_step_plan
+from forklm.attention.paged import DecodeRow, PagedAttention, StepPlanner
 from forklm.cache.block_pool import BlockPool
 from forklm.cache.paged_kv import PagedKVCache, kv_bytes_per_block
 from forklm.cache.radix_cache import RadixCache
 from forklm.device import available_memory_bytes
 from forklm.engine.request import RequestState, Sequence, Status, TokenEvent
+from forklm.engine.validation import EngineLimits, min_blocks, validate_request
 from forklm.engine.sample_state import SampleState, check_finished, draw_rows, stop_token_set, to_sample
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
@@ -59,6 +60,8 @@ class EngineConfig:
     shared_attention: str = "auto"  # per shared segment: measured rule, always, or never
     defer_shared_prefill: bool = True  # wait for a running prefill of the same prefix, then hit it
     decode_kernel: str = "auto"  # decode attention: "torch" (attend_segment per segment) or "triton" (one fused kernel)
+    max_num_seqs: int = 256  # running sequences (decode rows) at most; more samples wait for a slot
+    lane_ahead_tokens: int = 256  # a sample's own blocks are reserved this far ahead, as one run, while blocks are plentiful
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -73,6 +76,10 @@ class EngineConfig:
             raise InvalidArgumentError(f"shared_attention must be one of {SHARED_ATTENTION}, got {self.shared_attention!r}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise InvalidArgumentError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise InvalidArgumentError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.lane_ahead_tokens, int) or self.lane_ahead_tokens < 0:
+            raise InvalidArgumentError(f"lane_ahead_tokens must be an integer >= 0, got {self.lane_ahead_tokens!r}")
         if not 0 < self.memory_fraction <= 1:
             raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
 
@@ -101,6 +108,7 @@ class Engine:
         decode: Callable[[list[int]], str],
         eos_token_ids: tuple[int, ...],
         config: EngineConfig | None = None,
+        has_tokenizer: bool = True,
     ) -> None:
         self.model = model
         self.decode = decode
@@ -110,18 +118,27 @@ class Engine:
         num_blocks = cfg.num_blocks
         if num_blocks is None:
             budget = cfg.memory_budget or int(cfg.memory_fraction * available_memory_bytes(model.device))
-            num_blocks = budget // per_block
+            budget -= working_set_bytes(model.config, cfg)  # logits and sampler buffers of a full batch
+            num_blocks = max(budget, 0) // per_block
             if num_blocks < 2:
                 raise OutOfMemoryError(f"a KV memory budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
         self.block_size = cfg.block_size
+        self.limits = EngineLimits(
+            model.config.vocab_size, model.config.max_position_embeddings, has_tokenizer, num_blocks, cfg.block_size
+        )
         self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model.device)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.radix = RadixCache(self.pool)
         self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, model.dtype, model.device)
+        self.planner = StepPlanner(
+            cfg.block_size, cfg.shared_attention, model.device, self.decode_kernel,
+            model.config.num_heads, model.config.num_kv_heads,
+        )
         self.waiting: list[RequestState] = []
         self.active: list[RequestState] = []  # PREFILLING / RUNNING, in arrival order
         self.requests: dict[str, RequestState] = {}
         self.metrics = EngineMetrics()
+        self._step_shared_reads = 0  # bifurcated shared-segment reads of the latest forward
         self._arrivals = itertools.count()
         self._lock = threading.Lock()  # guards cancel flags set from other threads
 
@@ -149,33 +166,13 @@ class Engine:
         return req
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidArgumentError unless the request can run here. Reads only fixed
-        configuration, so any thread may call it."""
-        V = self.model.config.vocab_size
-        if not prompt_ids:
-            raise InvalidArgumentError("prompt must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < V for t in prompt_ids):
-            raise InvalidArgumentError(f"prompt token ids must be integers in [0, {V})")
-        if any(t >= V for t in params.stop_token_ids):
-            raise InvalidArgumentError(f"stop_token_ids must be token ids in [0, {V})")
-        limit = self.model.config.max_position_embeddings
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidArgumentError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context length of {limit} tokens"
-            )
-        need = self.min_blocks(len(prompt_ids), params.max_tokens)
-        if need > self.pool.num_blocks:
-            raise InvalidArgumentError(
-                f"request needs at least {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "
-                f"{params.max_tokens}, block size {self.block_size}) but the engine's pool holds "
-                f"{self.pool.num_blocks}; it can never run: shorten it or give the engine more memory"
-            )
+        """Raises InvalidArgumentError unless the request can run here (`validation.py`). Reads only
+        fixed configuration, so any thread may call it."""
+        validate_request(prompt_ids, params, self.limits)
 
     def min_blocks(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks one request needs to make progress with a single sample."""
-        bs = self.block_size
-        return -(-prompt_len // bs) + -(-(prompt_len % bs + max_tokens) // bs)
+        return min_blocks(prompt_len, max_tokens, self.block_size)
 
     def cancel(self, request_id: str) -> bool:
         """Marks a request cancelled (any thread); its blocks are released at the next step."""
@@ -193,6 +190,10 @@ class Engine:
             return False
         self._finish_request(req, cancelled=True)
         return True
+
+    def clear_prefix_cache(self) -> int:
+        """Evicts every cached prefix no request is using; returns the blocks freed."""
+        return self.radix.evict(self.radix.num_evictable_blocks) if self.config.prefix_cache else 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.active)
@@ -262,9 +263,17 @@ class Engine:
             for seq in req.running:
                 if seq.num_pending > 1 and id(seq) not in scheduled:
                     add_chunk(seq)
-        # (c) samples waiting for blocks (waves of a large n, preempted samples)
+        # (c) samples waiting for blocks or a row (waves of a large n, preempted samples)
+        slots = self.config.max_num_seqs - sum(len(r.running) for r in self.active)
         for req in self.active:
-            while req.status is Status.RUNNING and req.pending and budget > 0:
+            if req.status is not Status.RUNNING or not req.pending or budget <= 0 or slots <= 0:
+                continue
+            for seq in self._start_lane_group(req, min(budget, slots)):
+                req.pending.remove(seq.sample)
+                req.running.append(seq)
+                add_chunk(seq)
+                slots -= 1
+            while req.status is Status.RUNNING and req.pending and budget > 0 and slots > 0:
                 seq = self._start_sample(req, req.pending[0])
                 if seq is None:
                     # A request with nothing running must not wait on younger ones forever.
@@ -274,6 +283,7 @@ class Engine:
                 req.pending.pop(0)
                 req.running.append(seq)
                 add_chunk(seq)
+                slots -= 1
         # (d) admit waiting requests
         for req, cached in self._admission_order():
             if budget <= 0:
@@ -326,17 +336,26 @@ class Engine:
             self.radix.lock(node)
             self.pool.incref(matched_blocks)
         need = -(-len(prompt) // bs) - len(matched_blocks)
+        new = None
+        if req.params.n == 1:  # the sample continues in the prompt's blocks: reserve its lane with them
+            P = len(prompt)
+            lane = self._lane_blocks(req, P, P + 1) + P // bs - len(matched_blocks)
+            if self.pool.num_free >= lane + sum(len(r.running) + 1 for r in self.active):
+                new = self.pool.allocate_run(lane)
         # Leave room for every running sample's next block, so admission does not cause preemption.
         # Likewise one block per prefilling request and what each request's next sample needs.
         reserve = sum(len(r.running) + self._next_sample_blocks(r) for r in self.active)
         room = self.pool.num_free + (self.radix.num_evictable_blocks if self.config.prefix_cache else 0)
-        new = self._allocate(need) if need + reserve <= room else None
+        if new is None:
+            new = self._allocate(need) if need + reserve <= room else None
         if new is None:
             if node is not None:
                 self.pool.decref(matched_blocks)
                 self.radix.unlock(node)
             return False
         req.locked_node = node
+        if req.admit_time is None:
+            req.admit_time = time.perf_counter()
         req.prompt_blocks = matched_blocks + new
         num_cached = len(matched_blocks) * bs
         req.cached_tokens = num_cached
@@ -377,8 +396,15 @@ class Engine:
         """
         if seq.num_computed < len(seq.block_table) * self.block_size:
             return True
+        ahead = self._lane_blocks(seq.request, seq.num_computed, seq.num_computed + 1)
+        if ahead > 1:
+            blocks = self.pool.allocate_at(seq.block_table[-1] + 1, ahead) or self.pool.allocate_run(ahead)
+            if blocks is not None:
+                seq.block_table.extend(blocks)
+                return True
         while True:
-            blocks = self._allocate(1)
+            last = seq.block_table[-1] if seq.block_table else -2
+            blocks = self.pool.allocate_at(last + 1, 1) or self._allocate(1)
             if blocks is not None:
                 seq.block_table.extend(blocks)
                 return True
@@ -441,15 +467,75 @@ class Engine:
             self.radix.unlock(req.locked_node)
             req.locked_node = None
 
+    def _lane_blocks(self, req: RequestState, start: int, min_end: int, rows: int = 1) -> int:
+        """Blocks per row for a row whose next block holds token `start` and that needs slots up
+        to token `min_end` now: up to `lane_ahead_tokens` further (never past the request's last
+        token) while the pool has room for that beside one block per running sequence; else
+        just enough for `min_end` (lazy growth, as under memory pressure)."""
+        bs = self.block_size
+        first = start // bs
+        need = max(1, -(-min_end // bs) - first)
+        end = min(len(req.prompt_ids) + req.params.max_tokens, start + self.config.lane_ahead_tokens)
+        ahead = -(-end // bs) - first
+        if ahead <= need:
+            return need
+        margin = sum(len(r.running) + 1 for r in self.active)
+        return ahead if self.pool.num_free >= rows * ahead + margin else need
+
+    def _start_lane_group(self, req: RequestState, limit: int) -> list[Sequence]:
+        """Starts fresh samples of `req` (one token each, none computed) together as one lane
+        group: each owns a run of K blocks, the runs side by side, so that their tails are one
+        strided view (`attention/paged.py`). Empty when the request is n = 1, fewer than two
+        such samples are pending, or no run of that size is free."""
+        bs = self.block_size
+        P = len(req.prompt_ids)
+        fresh = [st for st in req.pending if len(st.token_ids) == 1][: max(limit, 0)]
+        if req.params.n == 1 or len(fresh) < 2:
+            return []
+        full, rem = divmod(P, bs)
+        k = self._lane_blocks(req, P, P + 1, len(fresh))
+        run = self.pool.allocate_run(len(fresh) * k)
+        if run is None:
+            return []
+        shared = req.prompt_blocks[:full]
+        seqs = []
+        for i, st in enumerate(fresh):
+            own = run[i * k : (i + 1) * k]
+            self.pool.incref(shared)
+            seqs.append(Sequence(req, req.prompt_ids + st.token_ids, shared + own, P, st))
+        if rem:
+            src = req.prompt_blocks[full] * bs
+            self.kv.copy_slots(
+                [src + j for _ in fresh for j in range(rem)],
+                [run[i * k] * bs + j for i in range(len(fresh)) for j in range(rem)],
+            )
+        return seqs
+
     def _start_sample(self, req: RequestState, st: SampleState) -> Sequence | None:
         """A sequence for a sample that has tokens but no KV: the prompt's full blocks shared, the
-        partial last block copied, blocks for its own tokens allocated (computed by the next chunk)."""
+        partial last block copied, blocks for its own tokens allocated (computed by the next chunk).
+        A request of one sample shares all its prompt blocks (the partial one and the blocks
+        reserved after it at admission: one run for the whole sequence)."""
         bs = self.block_size
         P = len(req.prompt_ids)
         full, rem = divmod(P, bs)
         tokens = req.prompt_ids + st.token_ids
+        if req.params.n == 1:
+            table = list(req.prompt_blocks)
+            need = -(-len(tokens) // bs) - len(table)
+            new = []
+            if need > 0:
+                new = self.pool.allocate_at(table[-1] + 1, need) if table else None
+                new = new or self._allocate(need)
+                if new is None:
+                    return None
+            self.pool.incref(table)
+            return Sequence(req, tokens, table + new, P, st)
         need = -(-len(tokens) // bs) - full
-        new = self._allocate(need)
+        lane = self._lane_blocks(req, full * bs, len(tokens))
+        new = self.pool.allocate_run(lane) if lane > need else None
+        if new is None:
+            new = self._allocate(need)
         if new is None:
             return None
         shared = req.prompt_blocks[:full]
@@ -480,18 +566,13 @@ class Engine:
             if s1 == len(seq.tokens):
                 row_of_seq[id(seq)] = len(logits_rows)
                 logits_rows.append(len(ids) - 1)
-        plan = build_step_plan(
-            [(seq.block_table, seq.num_computed) for seq in decode],
+        plan = self.planner.plan(
+            [DecodeRow(seq.block_table, seq.num_computed, len(seq.request.prompt_ids) // self.block_size, seq)
+             for seq in decode],
             [(seq.block_table, s0, s1) for seq, s0, s1 in chunks],
-            self.block_size,
-            self.config.shared_attention,
-            dev,
-            self.model.dtype,
-            self.decode_kernel,
-            self.model.config.num_heads,
-            self.model.config.num_kv_heads,
         )
-        self.metrics.shared_reads += sum(seg.bifurcated for seg in plan.segments)
+        self.metrics.shared_reads += plan.num_shared_reads
+        self._step_shared_reads = plan.num_shared_reads
         self.metrics.computed_tokens += len(ids)
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
@@ -554,13 +635,18 @@ class Engine:
                 if seq is not None and not fin:
                     seq.tokens.append(st.token_ids[-1])
             counted: set[int] = set()
+            path = "bifurcated" if self._step_shared_reads else "standard"
             for r in owner:
                 if r.first_token_time is None:
                     r.first_token_time = now
                 r.stats.generated_tokens += 1
                 if id(r) not in counted:
                     counted.add(id(r))
-                    r.stats.steps += 1
+                    if r.last_step_time is not None:  # a decode step (the first tokens come from the prefill's)
+                        r.stats.steps += 1
+                        r.stats.path_steps[path] = r.stats.path_steps.get(path, 0) + 1
+                        r.stats.step_s.append(now - r.last_step_time)
+                    r.last_step_time = now
             for st, r, fin in zip(states, owner, done):
                 event = TokenEvent(
                     r.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if fin else None,
@@ -639,7 +725,9 @@ class Engine:
         self.requests.pop(req.request_id, None)
         now = time.perf_counter()
         first = req.first_token_time if req.first_token_time is not None else now
-        req.stats.prefill_s = first - req.submit_time  # time to first token, queueing included
+        admitted = req.admit_time if req.admit_time is not None else first
+        req.stats.queue_s = admitted - req.submit_time  # submitted -> first admitted
+        req.stats.prefill_s = first - admitted  # admitted -> first token (prefill, and preemptions)
         req.stats.decode_s = now - first
         req.stats.cached_prompt_tokens = req.cached_tokens
         out = SampleOutput(
@@ -666,6 +754,13 @@ class Engine:
 
     def blocks_in_use(self) -> int:
         return self.pool.num_in_use
+
+
+def working_set_bytes(config, cfg: EngineConfig) -> int:
+    """Per-step buffers that grow with the batch: float32 logits of every decode row and the
+    sampler's temporaries (softmax, filtered copies: ~4 rows of the vocabulary per row)."""
+    rows = min(cfg.max_num_seqs + 1, cfg.max_batch_tokens + cfg.max_num_seqs)
+    return rows * config.vocab_size * 4 * 5
 
 
 def _resolve_decode_kernel(choice: str, device: torch.device) -> str:

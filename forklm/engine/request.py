@@ -77,7 +77,9 @@ class RequestState:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     stats: Stats = field(default_factory=Stats)
     submit_time: float = 0.0
+    admit_time: float | None = None  # first admission
     first_token_time: float | None = None
+    last_step_time: float | None = None  # the latest step that gave this request tokens
     output: Any = None  # SampleOutput, once finished
 
     @property

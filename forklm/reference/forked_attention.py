@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from forklm.attention.segments import attend_segment, merge_partials
-from forklm.cache.forked_kv import ForkedKVCache
+from forklm.reference.forked_kv import ForkedKVCache
 
 DECODE_PATHS = ("standard", "bifurcated")
 

@@ -1,4 +1,7 @@
-"""One request, `n` samples: prefill the prompt once, fork, decode the samples in lockstep.
+"""REFERENCE CODE (the test oracle and the bench baseline `single-request`; not a production
+path: `LLM.sample` runs on the engine).
+
+One request, `n` samples: prefill the prompt once, fork, decode the samples in lockstep.
 
 Data flow: prompt ids -> prefill (prompt KV stored once) -> fork (each sample gets storage for
 its own tokens) -> step loop: sample a token per live sample -> stop checks -> finished samples
@@ -12,8 +15,8 @@ import time
 import torch
 
 from forklm.attention.auto import choose_decode_path
-from forklm.attention.forked import DecodeAttention, PrefillAttention
-from forklm.cache.forked_kv import ForkedKVCache
+from forklm.reference.forked_attention import DecodeAttention, PrefillAttention
+from forklm.reference.forked_kv import ForkedKVCache
 from forklm.models.llama import LlamaModel
 from forklm.outputs import SampleOutput, Stats
 from forklm.sampling.params import SamplingParams
@@ -21,7 +24,7 @@ from forklm.engine.sample_state import SampleState, check_finished, draw_next, s
 from forklm.sampling.seeds import fresh_seed
 
 
-def generate_forked(
+def generate_single_request(
     model: LlamaModel,
     decode,  # (token_ids) -> str, special tokens skipped
     prompt_ids: list[int],
@@ -86,3 +89,15 @@ def generate_forked(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sample_single_request(llm, prompt, n: int = 1, *, attention: str = "auto", **kwargs) -> SampleOutput:
+    """`LLM.sample`'s arguments through this reference path (validated by the engine's rules)."""
+    import dataclasses
+
+    from forklm.llm import Request
+
+    params = dataclasses.replace(Request(prompt, n, **kwargs).params(), attention=attention)
+    prompt_ids = llm.prompt_token_ids(prompt)
+    llm.validate(prompt_ids, params)
+    return generate_single_request(llm.model, llm.decode, prompt_ids, params, llm.eos_token_ids)
