@@ -109,26 +109,6 @@ def test_zero_logit_bias_is_neutral(forklm_server):
     assert e.value.body["param"] == "logit_bias"
 
 
-def test_more_prompts_than_max_requests_is_400_not_503(smollm2_f32):
-    """503 + Retry-After tells a client to retry; a request that can never fit must not get it."""
-    from forklm.server.app import ServerConfig, _Server
-    from forklm.server.errors import APIError
-    from forklm.server.protocol import CompletionBody, parse_body
-
-    srv = _Server(smollm2_f32, ServerConfig(model_name=MODEL, max_requests=2, engine_options={"num_blocks": 64}))
-    try:
-        jobs = srv.jobs_for(parse_body(CompletionBody, {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1}))
-        with pytest.raises(APIError) as e:
-            srv.submit(jobs, stream_tokens=False, request_id="cmpl-test")
-        assert e.value.status == 400 and e.value.param == "prompt"
-        assert srv._in_flight == 0
-        jobs = srv.jobs_for(parse_body(CompletionBody, {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1}))
-        srv.submit(jobs, stream_tokens=False, request_id="cmpl-test2")
-        assert [len(j.stream.result(60).samples) for j in jobs] == [1, 1]
-    finally:
-        srv.loop.close()
-
-
 def test_openai_bookkeeping_fields_at_neutral_values_are_accepted(forklm_server):
     client = forklm_server.client()
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, store=False,

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from forklm.engine.loop import EngineLoop, EngineLoopClosed, RequestStream
 from forklm.engine.request import TokenEvent
@@ -36,7 +37,7 @@ from forklm.errors import InvalidArgumentError
 from forklm.llm import LLM
 from forklm.outputs import Sample, SampleOutput
 from forklm.sampling.params import SamplingParams
-from forklm.server.errors import APIError, invalid, param_of_message
+from forklm.server.errors import APIError, clip, invalid, param_of_message
 from forklm.server.metrics import ServerMetrics
 from forklm.server.protocol import ChatBody, CompletionBody, parse_body
 from forklm.server.text_stream import SampleTextStream, TextOffsets
@@ -50,6 +51,7 @@ class ServerConfig:
     max_requests: int = 1024  # engine requests in flight (one per prompt); more get 503
     max_samples: int = 1024  # samples one HTTP request may ask for (n or best_of, times its prompts); more get 400
     retry_after_s: int = 1  # Retry-After of a 503
+    metrics_interval_s: float = 0.1  # /metrics answers at most once per interval, scrapes in turn
     engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
 
 
@@ -84,9 +86,8 @@ class _Server:
             self.metrics.finished(event.output)
 
     def submit(self, jobs: list[_Job], stream_tokens: bool, request_id: str) -> None:
-        if len(jobs) > self.config.max_requests:  # would never fit: retrying cannot help
-            raise invalid(f"the request holds {len(jobs)} prompts; this server runs at most "
-                          f"{self.config.max_requests} at once", param="prompt")
+        """Reserves an in-flight slot per job (503 when full) and hands the jobs to the loop;
+        `jobs_for` has refused a request that could never fit."""
         with self._lock:
             if self._in_flight + len(jobs) > self.config.max_requests:
                 raise APIError(
@@ -99,14 +100,16 @@ class _Server:
         for k, job in enumerate(jobs):
             try:
                 job.stream = self.loop.submit(job.prompt_ids, job.params, f"{request_id}-{k}", events=stream_tokens)
-            except (InvalidArgumentError, EngineLoopClosed) as exc:
+            except Exception as exc:
                 with self._lock:  # this job and the ones after it never reached the loop
                     self._in_flight -= len(jobs) - k
                     self.metrics.in_flight.set(self._in_flight)
                 self.cancel(jobs)
                 if isinstance(exc, EngineLoopClosed):
                     raise APIError(503, "the server is shutting down", type="server_error") from None
-                raise _argument_error(exc, "messages" if request_id.startswith("chatcmpl") else "prompt") from None
+                if isinstance(exc, InvalidArgumentError):
+                    raise _argument_error(exc, "messages" if request_id.startswith("chatcmpl") else "prompt") from None
+                raise
 
     def cancel(self, jobs: list[_Job]) -> None:
         for job in jobs:
@@ -141,6 +144,7 @@ class _Server:
         else:
             p = body.prompt
             items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+            self._check_prompts(len(items))
             self._check_samples(body.best_of or body.n, len(items), "best_of" if body.best_of else "n")
             prompts = []
             for i, item in enumerate(items):
@@ -182,12 +186,24 @@ class _Server:
             jobs.append(_Job(ids, params))
         return jobs
 
+    def _check_prompts(self, prompts: int) -> None:
+        """Before tokenizing: a request with more prompts than the server runs at once never fits
+        (a 400, not a 503 that tells the client to retry)."""
+        limit = self.config.max_requests
+        if prompts > limit:
+            raise invalid(f"prompt holds {prompts} prompts; this server runs at most {limit} prompts at once "
+                          "(one engine request each)", param="prompt")
+
     def _check_samples(self, per_prompt: int, prompts: int, param: str) -> None:
+        """Blames the prompts when they alone are too many (one sample each), else `param`."""
         limit = self.config.max_samples
+        if prompts > limit:
+            raise invalid(f"prompt holds {prompts} prompts, at least one sample each; this server allows at most "
+                          f"{limit} samples per request", param="prompt")
         if per_prompt * prompts > limit:
-            total = f"{per_prompt} per prompt" + (f" x {prompts} prompts" if prompts > 1 else "")
-            raise invalid(f"{param} asks for {total} samples; this server allows at most {limit} per request",
-                          param=param)
+            each = f" for each of {prompts} prompts ({per_prompt * prompts} samples)" if prompts > 1 else " samples"
+            raise invalid(f"{param} asks for {per_prompt}{each}; this server allows at most {limit} samples per "
+                          "request", param=param)
 
     def room_for(self, prompt_len: int) -> int:
         """Tokens a sample of this prompt may generate: the context's rest, within the KV pool."""
@@ -259,19 +275,24 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
+def _too_large(limit: int) -> APIError:
+    # the rest of the body is never read: the connection closes after the answer
+    return APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large",
+                    headers={"Connection": "close"})
+
+
 async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, read up to `limit` bytes: a longer one (declared or chunked) is cut off
+    there. A client that goes away meanwhile raises starlette's ClientDisconnect."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > 16 * limit:
-        raise APIError(413, f"request body of {length} bytes is over the limit of {limit} bytes",
-                       code="request_too_large")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-    if size > limit:  # read to the end so the client sees our answer, not a reset connection
-        raise APIError(413, f"request body of {size} bytes is over the limit of {limit} bytes",
-                       code="request_too_large")
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
     raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
@@ -353,7 +374,7 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
 
     def check_model(name: str) -> None:
         if name != config.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{config.model_name}`.",
+            raise APIError(404, f"The model `{clip(name)}` does not exist; this server serves `{config.model_name}`.",
                            param="model", code="model_not_found")
 
     @app.get("/health")
@@ -361,9 +382,19 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         alive = server is not None and server.loop._thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
+    scrape_lock = asyncio.Lock()
+    last_scrape = -math.inf
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # Unthrottled scrapers (the endpoint is open) would keep the event loop, and so the GIL and
+        # a core, busy answering them and slow the engine thread several-fold: they wait in turn.
+        nonlocal last_scrape
+        async with scrape_lock:
+            await asyncio.sleep(max(0.0, last_scrape + config.metrics_interval_s - time.monotonic()))
+            last_scrape = time.monotonic()
+            body = server.metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict:
         return {"id": config.model_name, "object": "model", "created": server.created, "owned_by": "forklm",
@@ -395,12 +426,14 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
             response = _Responder(server, body, jobs, rid, kind, request)
             status = 200
             if body.stream:
-                return StreamingResponse(response.stream(), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return _EventStream(response.stream(), on_close=lambda: server.cancel(jobs))
             return JSONResponse(await response.complete())
         except APIError as exc:
             status = exc.status
             raise
+        except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
+            status = 499
+            return Response(status_code=499)
         finally:
             server.metrics.requests.labels(kind, str(status)).inc()
 
@@ -413,6 +446,23 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         return await handle(request, "chat")
 
     return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that call `on_close` however the response ends, also when the client left
+    before the first chunk (Starlette then never starts the generator, so its `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # a send to a closed connection (ASGI 2.4): a quiet cancellation
+            pass
+        finally:
+            self.on_close()
 
 
 class _Responder:

@@ -20,7 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $FORKLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model as given)")
     p.add_argument("--max-requests", type=int, default=1024,
-                   help="engine requests in flight (one per prompt) before 503 (default: 1024)")
+                   help="engine requests in flight (one per prompt) before 503; a request with more prompts is a 400 "
+                        "(default: 1024)")
     p.add_argument("--max-samples", type=int, default=1024,
                    help="samples one request may ask for (n or best_of, times its prompts) before 400 (default: 1024)")
     p.add_argument("--max-body-mib", type=float, default=4.0, help="request body limit, 413 beyond (default: 4)")

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+MAX_QUOTE = 100  # characters of a client's value quoted back in an error
+MAX_MESSAGE = 1000  # characters of any error message (a last guard: values are quoted cut already)
+
+
+def clip(value: Any, limit: int = MAX_QUOTE) -> str:
+    """A client's value as text for an error message, cut to `limit` characters plus "..."."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 class APIError(Exception):
     """An error the server answers with (never a stack trace)."""
@@ -18,11 +27,12 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = clip(message, MAX_MESSAGE)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        self.param = None if param is None else clip(param)
         self.code = code
         self.headers = headers or {}
 

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (its own registry, so several servers can live in one process).
 
-Gauges read the engine when scraped (list lengths and counters the engine thread updates; a
-scrape may see a state one step old). Counters and histograms are fed by the request handlers
-and by the engine loop's per-step hook.
+A scrape never reads the engine: the engine loop's per-step hook (`on_step`, on the engine
+thread) copies a few O(1) numbers of the engine into plain gauges, so a scrape costs the same
+whatever the pool's size, never races the engine thread, and may see a state one step old.
+Counters and histograms are fed by the request handlers and by the same hook.
 """
 
 from __future__ import annotations
@@ -19,31 +20,24 @@ class ServerMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = reg = CollectorRegistry()
         ProcessCollector(registry=reg)  # process_resident_memory_bytes and friends
-        Gauge("forklm_requests_running", "Requests being prefilled or decoded", registry=reg).set_function(
-            lambda: len(engine.active)
-        )
-        Gauge("forklm_requests_waiting", "Requests queued in the engine, not yet admitted", registry=reg).set_function(
-            lambda: len(engine.waiting)
-        )
+        self.running = Gauge("forklm_requests_running", "Requests being prefilled or decoded", registry=reg)
+        self.waiting = Gauge("forklm_requests_waiting", "Requests queued in the engine, not yet admitted",
+                             registry=reg)
         self.in_flight = Gauge(
             "forklm_requests_in_flight", "Engine requests submitted over HTTP and not finished", registry=reg
         )
-        Gauge("forklm_kv_blocks_in_use", "KV cache blocks held by running sequences", registry=reg).set_function(
-            lambda: engine.pool.num_in_use
-        )
-        Gauge("forklm_kv_blocks_cached", "KV cache blocks held only by the prefix cache", registry=reg).set_function(
-            lambda: engine.pool.num_cached
-        )
-        Gauge("forklm_kv_blocks_total", "KV cache blocks in the pool", registry=reg).set_function(
-            lambda: engine.pool.num_blocks
-        )
+        self.blocks_in_use = Gauge("forklm_kv_blocks_in_use", "KV cache blocks held by running sequences",
+                                   registry=reg)
+        self.blocks_cached = Gauge("forklm_kv_blocks_cached", "KV cache blocks held only by the prefix cache",
+                                   registry=reg)
+        Gauge("forklm_kv_blocks_total", "KV cache blocks in the pool", registry=reg).set(engine.pool.num_blocks)
         Gauge("forklm_kv_pool_bytes", "Bytes of the KV cache pool (committed at start)", registry=reg).set(
             engine.kv.nbytes()
         )
-        Gauge(
+        self.hit_rate = Gauge(
             "forklm_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens admitted",
             registry=reg,
-        ).set_function(lambda: engine.metrics.prefix_hit_rate)
+        )
         self.prompt_tokens = Counter("forklm_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
         self.cached_prompt_tokens = Counter(
             "forklm_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=reg
@@ -66,7 +60,13 @@ class ServerMetrics:
         )
 
     def on_step(self, engine: Engine, seconds: float) -> None:
+        """After each step, on the engine thread: O(1) reads (list lengths, the pool's counters)."""
         self.step.observe(seconds)
+        self.running.set(len(engine.active))
+        self.waiting.set(len(engine.waiting))
+        self.blocks_in_use.set(engine.pool.num_in_use)
+        self.blocks_cached.set(engine.pool.num_cached)
+        self.hit_rate.set(engine.metrics.prefix_hit_rate)
 
     def finished(self, output) -> None:  # a SampleOutput
         st = output.stats

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from forklm.sampling.params import MAX_TOP_LOGPROBS
-from forklm.server.errors import APIError, invalid
+from forklm.server.errors import APIError, clip, invalid
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the completions `logprobs` integer
 
@@ -51,7 +51,7 @@ class _Body(_NullMeansDefault):
 
     model: str
     n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range (the LLM API allows more)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
@@ -119,7 +119,7 @@ def parse_body(cls: type[_Body], data: Any) -> _Body:
     except ValidationError as e:
         err = e.errors()[0]
         loc = err.get("loc", ())
-        param = _param_path(loc)
+        param = clip(_param_path(loc))  # a client's key may be any length
         if err.get("type") == "extra_forbidden":
             raise invalid(f"Unrecognized request argument supplied: {param}", param=param) from None
         if err.get("type") == "missing":
