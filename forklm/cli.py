@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forklm paths to time: the engine with shared segments read standard, bifurcated or auto; "
                         "single-request: the reference stack LLM.sample ran before the engine")
     b.add_argument("--repeats", type=int, default=1,
-                   help="run the forklm paths this many times per point, interleaved, and report each "
-                        "path's fastest run (default: 1)")
+                   help="run every implementation (transformers included) this many times per point, interleaved, and report each "
+                        "one's fastest run (default: 1)")
     b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face transformers baseline")
     b.add_argument("--transformers-max-n", type=int, default=64, help="largest n run through transformers")
     b.add_argument("--transformers-max-tokens", type=int, default=2048 * 64,

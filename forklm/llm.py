@@ -169,6 +169,8 @@ class LLM:
         except BaseException:
             engine.abort(state.request_id)  # releases its blocks now
             raise
+        if state.error is not None:
+            raise state.error
         return state.output
 
     def generate(self, requests: Sequence[dict | Request], **engine_options: Any) -> list[SampleOutput]:
@@ -197,6 +199,9 @@ class LLM:
             for st in states:
                 engine.abort(st.request_id)  # releases their blocks now
             raise
+        for st in states:
+            if st.error is not None:
+                raise st.error  # the others ran to the end; their outputs are lost with this call
         return [st.output for st in states]
 
     def engine(self, **options: Any) -> Engine:

@@ -2,7 +2,7 @@
 
 import random
 
-from forklm.engine.sample_state import SampleState, check_finished
+from forklm.sampling.sample_state import SampleState, check_finished
 from forklm.sampling.params import SamplingParams
 
 PIECES = ["h", "e", "l", "x", "o", "z", "", "xo", "lx", "ozz", "q"]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from forklm.engine.sample_state import SampleState, check_finished, to_sample
+from forklm.sampling.sample_state import SampleState, check_finished, to_sample
 from forklm.sampling.params import SamplingParams
 from forklm.server.text_stream import SampleTextStream
 

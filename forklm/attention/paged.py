@@ -17,7 +17,7 @@ neighbours) and splits each row's keys into
   stride (the samples of one request, whose blocks the engine allocates as one strided lane
   group) are one strided view `[rows, g, length, D]` and one product.
 Every row's first tail read gives its partial output; shared segments and further runs are
-merged by log-sum-exp in float32 (DESIGN.md "Attention over segments").
+merged by log-sum-exp in float32 (docs/design.md "Attention over segments").
 
 Prefill chunks: the chunk's queries attend causally to the chunk itself and to the tokens before
 it (their runs, read in place), merged by log-sum-exp.

@@ -2,7 +2,7 @@
 
 A sequence's KV is a list of segments: shared ones (the prompt, read once for every sample that
 shares it) and its own (decoded tokens). Each segment yields a partial output and its
-log-sum-exp; `merge_partials` combines them exactly (DESIGN.md, "Attention over segments"):
+log-sum-exp; `merge_partials` combines them exactly (docs/design.md, "Attention over segments"):
 
     lse = log Σ_s exp(lse_s),   o = Σ_s exp(lse_s − lse) · o_s
 

@@ -5,7 +5,7 @@ start with the same full blocks share those blocks' KV (a system prompt cached f
 request, a request's prompt shared by its samples, ...). The trie has one node per run of
 blocks shared by the same set of rows; a row's path from the root is its list of shared
 segments, most shared first, and whatever follows (its own blocks, its partial last block) is
-its tail. Each segment is read once per step for all its rows (DESIGN.md "Attention over
+its tail. Each segment is read once per step for all its rows (docs/design.md "Attention over
 segments": one product with all their query rows), and the partial results are merged exactly.
 
 Only full blocks are shared: a partial block belongs to one sequence (the engine copies a

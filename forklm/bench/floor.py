@@ -1,4 +1,4 @@
-"""The per-step time floor of DESIGN.md, with both ceilings measured on this machine.
+"""The per-step time floor of docs/design.md, with both ceilings measured on this machine.
 
     floor = max(bytes moved / memory bandwidth, FLOPs / peak matmul rate)     [seconds]
 
@@ -132,7 +132,7 @@ def matmul_parameters(config: ModelConfig) -> int:
 
 
 def kv_read_bytes(config: ModelConfig, element_bytes: int, b: int, m_c: int, m_d: float, bifurcated: bool) -> float:
-    """KV bytes one decode step reads over all layers (DESIGN.md)."""
+    """KV bytes one decode step reads over all layers (docs/design.md)."""
     per_token = config.kv_bytes_per_token(element_bytes)  # 2·L·g·k·e
     return per_token * ((m_c + b * m_d) if bifurcated else b * (m_c + m_d))
 

@@ -1,8 +1,10 @@
 """Peak memory of one call: `with PeakMemory(device) as mem: ...; mem.peak_mib`.
 
-On CPU a background thread samples the process's resident set size (/proc/self/statm) every
-`interval_s` seconds while the block runs; the result is the highest sample minus the RSS just
-before the block, in MiB. On CUDA it is `torch.cuda.max_memory_allocated` minus the allocated
+On Linux the kernel keeps the process's peak resident set size (VmHWM in /proc/self/status);
+writing "5" to /proc/self/clear_refs resets it to the current RSS, so the peak of a block is read
+with no thread at all (nothing competes with the timed work for a core). Where that reset is not
+allowed, a background thread samples the RSS every `interval_s` seconds instead. The result is
+the peak minus the RSS just before the block, in MiB. On CUDA it is `torch.cuda.max_memory_allocated` minus the allocated
 bytes before the block (the caching allocator's reserve is not counted).
 
 On CPU, before the baseline is read, garbage is collected and glibc is asked to hand freed heap
@@ -35,6 +37,28 @@ def current_rss_bytes() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def reset_peak_rss() -> bool:
+    """Resets the kernel's peak-RSS counter (VmHWM) to the current RSS; False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return peak_rss_bytes() > 0
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The kernel's peak resident set size of this process since the last reset (0 if unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def release_freed_heap() -> None:
     """Collects garbage and returns glibc's free heap pages to the OS (no-op without glibc)."""
     gc.collect()
@@ -55,6 +79,7 @@ class PeakMemory:
         self.peak_bytes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._kernel_peak = False
 
     # ------------------------------------------------------------------ CPU sampler
     def _sample_rss(self) -> None:
@@ -70,6 +95,9 @@ class PeakMemory:
             return self
         release_freed_heap()
         self.base_bytes = self.peak_bytes = current_rss_bytes()
+        self._kernel_peak = reset_peak_rss()
+        if self._kernel_peak:
+            return self
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample_rss, name="forklm-peak-rss", daemon=True)
         self._thread.start()
@@ -80,6 +108,9 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device))
+            return
+        if self._kernel_peak:
+            self.peak_bytes = max(self.peak_bytes, peak_rss_bytes(), current_rss_bytes())
             return
         self._stop.set()
         if self._thread is not None:

@@ -3,7 +3,7 @@
 One column per run (a JSON from `forklm bench`, typically one per dtype):
   top:    per-step decode latency (ms) against context length, one colour per n;
           solid = with bifurcation (forklm-bifurcated), dashed = without (forklm-standard);
-  bottom: forklm-auto (solid) against transformers (dotted) and the DESIGN.md floor (thin).
+  bottom: forklm-auto (solid) against transformers (dotted) and the docs/design.md floor (thin).
 
 Run: `python -m forklm.bench.plot bench/results/sweep_cpu_float32.json bench/results/sweep_cpu_bfloat16.json
 --out bench/results/figure6_cpu.png`.

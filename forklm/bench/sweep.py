@@ -4,7 +4,7 @@ For every context length m_c (outer loop) and sample count n (inner loop) each i
 draws n samples of exactly `new_tokens` tokens from the same m_c-token prompt, same model, same
 dtype, same sampling (temperature 0.8, top-p 0.95). Per point it records (units in the names):
 prefill_s, decode_s, e2e_s, step_ms_median, tokens_per_s, peak_mem_mib, and the per-step floor of
-DESIGN.md (floor_ms, floor_naive_ms; see `forklm/bench/floor.py`) with floor_fraction =
+docs/design.md (floor_ms, floor_naive_ms; see `forklm/bench/floor.py`) with floor_fraction =
 floor / measured step. Writes JSON and a PNG (Figure 6 of the bifurcated-attention paper) and
 prints a markdown table.
 
@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from forklm.bench.machine import cpu_model
 from forklm.bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes, step_weight_bytes
 from forklm.bench.memory import PeakMemory
 
@@ -300,7 +301,7 @@ class SweepConfig:
     transformers: bool
     transformers_max_n: int
     transformers_max_tokens: int
-    repeats: int = 1  # forklm paths run this many times per point, interleaved; the fastest counts
+    repeats: int = 1  # every implementation runs this many times per point, interleaved; the fastest counts
 
 
 def _point(m_c: int, n: int, impl: str, measured: Measured | None, floor: Any, skipped: str | None) -> dict:
@@ -343,9 +344,10 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
               hf_error: str | None, progress: Any) -> list[dict]:
     """All points, m_c outer, n inner, implementations innermost. Failing points are recorded as skipped.
 
-    With cfg.repeats > 1 the forklm paths run round-robin (standard, bifurcated, auto, standard,
-    ...), so a slow spell of a shared machine hits every path alike, and each path reports its
-    fastest run (its other runs' median steps are kept as step_ms_repeats).
+    With cfg.repeats > 1 every implementation (transformers included) runs round-robin (standard,
+    bifurcated, auto, single-request, transformers, standard, ...), so a slow spell of a shared
+    machine hits every one alike, and each reports its fastest run (its other runs' median steps
+    are kept as step_ms_repeats).
     """
     forklm = ForkLMRunner(llm)
     e = torch.finfo(llm.dtype).bits // 8
@@ -366,7 +368,7 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
                          for impl in impls}
             elif HF_IMPL in skips:
                 skips[HF_IMPL] = _transformers_skip_reason(cfg, m_c, n, hf, hf_error)
-            order = [i for _ in range(cfg.repeats) for i in impls if i != HF_IMPL] + [i for i in impls if i == HF_IMPL]
+            order = [i for _ in range(cfg.repeats) for i in impls]  # transformers repeats as often as forklm
             for impl in order:
                 progress.set_description(f"m_c={m_c} n={n} {impl}")
                 if skips[impl] is None:
@@ -396,24 +398,13 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
 
 
 # ---------------------------------------------------------------------- output
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: Ceilings,
                hf_version: str | None, hf_error: str | None) -> dict:
     dev = llm.device
     return {
         "machine": platform.machine(),
         "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -581,7 +572,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if hf is not None:
         hf.warm_up(warm)
 
-    impls = len(cfg.paths) * cfg.repeats + int(cfg.transformers)
+    impls = (len(cfg.paths) + int(cfg.transformers)) * cfg.repeats
     progress = _progress(len(cfg.contexts) * len(cfg.ns) * impls)
     try:
         points = run_sweep(llm, cfg, ceilings, hf, hf_error, progress)

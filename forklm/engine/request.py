@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forklm.cache.radix_cache import RadixNode
-from forklm.engine.sample_state import SampleState
+from forklm.sampling.sample_state import SampleState
 from forklm.outputs import Stats
 from forklm.sampling.params import SamplingParams
 
@@ -81,6 +81,7 @@ class RequestState:
     first_token_time: float | None = None
     last_step_time: float | None = None  # the latest step that gave this request tokens
     output: Any = None  # SampleOutput, once finished
+    error: BaseException | None = None  # why it failed, if it did (then `output` is None)
 
     @property
     def unfinished_samples(self) -> list[SampleState]:

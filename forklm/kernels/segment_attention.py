@@ -7,7 +7,7 @@ M = rows · (h / g) query vectors go through the segment's keys in tiles with `t
 cores) and an online softmax, so the segment's K/V is read once for all its rows. Long segments
 are split along the keys into several programs (flash-decoding) so that a small batch still
 fills the GPU. Every program writes a partial output and its log-sum-exp; `merge_partials_into`
-combines the partials of each (row, head) exactly (DESIGN.md: lse = log Σ exp lse_s,
+combines the partials of each (row, head) exactly (docs/design.md: lse = log Σ exp lse_s,
 o = Σ exp(lse_s − lse) o_s).
 
 The host builds a `SegmentPlan` (integer tables) once per engine step; every layer reuses it.

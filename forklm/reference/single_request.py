@@ -20,7 +20,7 @@ from forklm.reference.forked_kv import ForkedKVCache
 from forklm.models.llama import LlamaModel
 from forklm.outputs import SampleOutput, Stats
 from forklm.sampling.params import SamplingParams
-from forklm.engine.sample_state import SampleState, check_finished, draw_next, stop_token_set, to_sample
+from forklm.sampling.sample_state import SampleState, check_finished, draw_next, stop_token_set, to_sample
 from forklm.sampling.seeds import fresh_seed
 
 

@@ -495,7 +495,7 @@ class _Responder:
         metrics = self.server.metrics
         now = time.perf_counter()
         metrics.e2e.observe(now - self.arrival)
-        firsts = [o.stats.prefill_s for o in outputs]
+        firsts = [o.stats.ttft_s for o in outputs]
         if firsts:
             metrics.ttft.observe(min(firsts))
         n = self.body.n

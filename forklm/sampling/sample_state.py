@@ -1,4 +1,4 @@
-"""Per-sample book-keeping shared by the single-request path (`forked.py`) and the engine.
+"""Per-sample sampling state and its rules, shared by the engine and the reference single-request path.
 
 `draw_next` samples one token for each of a request's live samples from their logits rows,
 with sample i's randomness from (seed, i, step); `check_finished` applies EOS / stop token /

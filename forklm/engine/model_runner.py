@@ -1,0 +1,69 @@
+"""The model runner: builds one step's input tensors and attention plan, runs the model.
+
+Rows of the forward are `[decode rows | chunk 0 | chunk 1 | ...]`; logits are computed only for
+the rows whose token is a sequence's last (decode rows, and chunks that end a sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forklm.attention.paged import DecodeRow, PagedAttention, StepPlanner
+from forklm.cache.paged_kv import PagedKVCache
+from forklm.engine.scheduler import ScheduledBatch
+from forklm.models.llama import LlamaModel
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [rows with logits, V] float32
+    row_of_seq: dict[int, int]  # id(sequence) -> its logits row
+    shared_reads: int  # shared-segment reads done once for several rows (bifurcated)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, planner: StepPlanner) -> None:
+        self.model = model
+        self.kv = kv
+        self.planner = planner
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """One forward over the batch; the sequences' computed counts advance only if it succeeds."""
+        dev = self.model.device
+        bs = self.kv.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        logits_rows: list[int] = []
+        row_of_seq: dict[int, int] = {}
+        for seq in batch.decode:
+            t = seq.num_computed
+            row_of_seq[id(seq)] = len(logits_rows)
+            logits_rows.append(len(ids))
+            ids.append(seq.tokens[t])
+            pos.append(t)
+        for seq, s0, s1 in batch.chunks:
+            ids.extend(seq.tokens[s0:s1])
+            pos.extend(range(s0, s1))
+            if s1 == len(seq.tokens):
+                row_of_seq[id(seq)] = len(logits_rows)
+                logits_rows.append(len(ids) - 1)
+        plan = self.planner.plan(
+            [DecodeRow(seq.block_table, seq.num_computed, len(seq.request.prompt_ids) // bs, seq) for seq in batch.decode],
+            [(seq.block_table, s0, s1) for seq, s0, s1 in batch.chunks],
+        )
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            PagedAttention(self.kv, plan),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        for seq, s0, s1 in batch.chunks:
+            seq.num_computed = s1
+        for seq in batch.decode:
+            seq.num_computed += 1
+        return StepOutput(logits, row_of_seq, plan.num_shared_reads)
+
+    def forget(self, seq) -> None:
+        self.planner.forget(seq)

@@ -1,0 +1,268 @@
+"""The scheduler: policy only. Which requests run this step, in what order, with how many tokens.
+
+Each step (`schedule`), oldest request first:
+  (a) every running sample with one pending token decodes; it gets a slot for its token from
+      the KV manager, preempting the youngest work if blocks run out;
+  (b) prompts being prefilled and samples being recomputed take prompt chunks from the token
+      budget (`max_batch_tokens`, chunked prefill);
+  (c) samples waiting for blocks or a decode row (waves of a large n, preempted samples) start,
+      at most `max_num_seqs` running sequences in all; fresh samples of a request start
+      together as one lane group;
+  (d) waiting requests are admitted in cache-aware order (longest cached prefix first; a
+      request that waited `max_wait_steps` steps goes first; FCFS when more than
+      `cache_aware_max_waiting` wait, so ordering stays cheap) or FCFS.
+
+Preemption victims: the youngest work the needy sequence outranks: a sample first, then a whole
+request (which returns to the queue and finds its prompt in the prefix cache). The scheduler
+never touches a block count: it asks the KV manager.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from forklm.engine.kv_manager import KVManager
+from forklm.engine.request import RequestState, Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    decode: list[Sequence] = field(default_factory=list)  # one new token each
+    chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)  # tokens [s0, s1) of a sequence
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.chunks
+
+    def requests(self) -> list[RequestState]:
+        seen: dict[int, RequestState] = {}
+        for seq in self.decode + [c[0] for c in self.chunks]:
+            seen.setdefault(id(seq.request), seq.request)
+        return list(seen.values())
+
+
+class Scheduler:
+    def __init__(self, config, kv: KVManager, metrics) -> None:  # EngineConfig, EngineMetrics
+        self.config = config
+        self.kv = kv
+        self.metrics = metrics
+        self.waiting: list[RequestState] = []
+        self.active: list[RequestState] = []  # PREFILLING / RUNNING, in arrival order
+        self.num_running = 0  # sequences in `running` lists (decode rows and their recomputes)
+
+    def add(self, req: RequestState) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: RequestState) -> None:
+        """Forgets a request that ended (its blocks are already released)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.active:
+            self.active.remove(req)
+
+    def margin(self) -> int:
+        """Blocks kept free beside a reservation ahead: one per running sequence and request."""
+        return self.num_running + len(self.active)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_batch_tokens
+        scheduled: set[int] = set()  # id() of sequences already in this step
+        # (a) decode rows
+        for req in list(self.active):
+            for seq in list(req.running):
+                if seq.num_pending != 1 or seq not in req.running:
+                    continue
+                if self._ensure_slot(seq, scheduled):
+                    batch.decode.append(seq)
+                    scheduled.add(id(seq))
+        budget -= len(batch.decode)
+
+        def add_chunk(seq: Sequence) -> None:
+            nonlocal budget
+            take = min(seq.num_pending, max(budget, 0))
+            if take <= 0:
+                return
+            if take == 1 and seq.num_pending == 1:
+                batch.decode.append(seq)
+            else:
+                batch.chunks.append((seq, seq.num_computed, seq.num_computed + take))
+            scheduled.add(id(seq))
+            budget -= take
+
+        # (b) prompts being prefilled and samples being recomputed
+        for req in self.active:
+            if req.status is Status.PREFILLING:
+                add_chunk(req.prompt_seq)
+            for seq in req.running:
+                if seq.num_pending > 1 and id(seq) not in scheduled:
+                    add_chunk(seq)
+        # (c) samples waiting for blocks or a row
+        for req in self.active:
+            slots = self.config.max_num_seqs - self.num_running
+            if req.status is not Status.RUNNING or not req.pending or budget <= 0 or slots <= 0:
+                continue
+            fresh = [st for st in req.pending if len(st.token_ids) == 1][: min(budget, slots)]
+            if req.params.n > 1 and len(fresh) >= 2:
+                for seq in self.kv.start_lane_group(req, fresh, self.margin()):
+                    self._run(req, seq)
+                    add_chunk(seq)
+            while req.status is Status.RUNNING and req.pending and budget > 0 and self.num_running < self.config.max_num_seqs:
+                seq = self.kv.start_sample(req, req.pending[0], self.margin())
+                if seq is None:
+                    # A request with nothing running must not wait on younger ones forever.
+                    if not req.running and self._preempt_younger(req, scheduled):
+                        continue
+                    break
+                self._run(req, seq)
+                add_chunk(seq)
+        # (d) admit waiting requests
+        for req, cached in self._admission_order():
+            if budget <= 0:
+                break
+            if self._defer(req, cached):
+                continue
+            if not self._admit(req):
+                continue
+            add_chunk(req.prompt_seq)
+        for req in self.waiting:
+            req.waited_steps += 1
+        return batch
+
+    def _run(self, req: RequestState, seq: Sequence) -> None:
+        req.pending.remove(seq.sample)
+        req.running.append(seq)
+        self.num_running += 1
+
+    def sequence_done(self, seq: Sequence) -> None:
+        """A running sequence left (finished or failed); its blocks are released by the caller."""
+        req = seq.request
+        if seq in req.running:
+            req.running.remove(seq)
+            self.num_running -= 1
+
+    def prompt_done(self, req: RequestState) -> None:
+        req.status = Status.RUNNING
+        req.prompt_seq = None
+
+    # ------------------------------------------------------------------ admission
+    def _admission_order(self) -> list[tuple[RequestState, int | None]]:
+        """Waiting requests in admission order, with their cached prefix length where it was looked up."""
+        cfg = self.config
+        if cfg.schedule == "fcfs" or not cfg.prefix_cache or len(self.waiting) > cfg.cache_aware_max_waiting:
+            return [(r, None) for r in sorted(self.waiting, key=lambda r: r.arrival)]
+        aged = sorted((r for r in self.waiting if r.waited_steps >= cfg.max_wait_steps), key=lambda r: r.arrival)
+        rest = [r for r in self.waiting if r.waited_steps < cfg.max_wait_steps]
+        matched = {id(r): self.kv.cached_prefix_len(r.prompt_ids) for r in rest}
+        rest.sort(key=lambda r: (-matched[id(r)], r.arrival))
+        return [(r, None) for r in aged] + [(r, matched[id(r)]) for r in rest]
+
+    def _defer(self, req: RequestState, cached: int | None) -> bool:
+        """Waits for an in-flight prefill of the same uncached prefix (then hits the cache)."""
+        if not (self.config.defer_shared_prefill and self.config.prefix_cache):
+            return False
+        if req.waited_steps >= self.config.max_wait_steps:
+            return False
+        bs = self.kv.block_size
+        if cached is None:
+            cached = self.kv.cached_prefix_len(req.prompt_ids)
+        for other in self.active:
+            if other.status is not Status.PREFILLING:
+                continue
+            shared = _common_prefix(req.prompt_ids, other.prompt_ids)
+            if shared // bs * bs > cached and shared >= bs:
+                return True
+        return False
+
+    def _admit(self, req: RequestState) -> bool:
+        # Leave room for every running sample's next block, so admission does not cause preemption.
+        # Likewise one block per prefilling request and what each request's next sample needs.
+        reserve = sum(len(r.running) + self._next_sample_blocks(r) for r in self.active)
+        if not self.kv.admit_prompt(req, reserve, self.margin()):
+            return False
+        if req.admit_time is None:
+            req.admit_time = time.perf_counter()
+        self.metrics.prompt_tokens += len(req.prompt_ids)
+        self.metrics.cached_prompt_tokens += req.cached_tokens
+        req.prompt_seq = Sequence(req, list(req.prompt_ids), req.prompt_blocks, req.cached_tokens)
+        req.status = Status.PREFILLING
+        self.waiting.remove(req)
+        self.active.append(req)
+        self.active.sort(key=lambda r: r.arrival)
+        return True
+
+    def _next_sample_blocks(self, req: RequestState) -> int:
+        if req.status is Status.PREFILLING:
+            return 1
+        if req.pending:
+            bs = self.kv.block_size
+            P = len(req.prompt_ids)
+            return -(-(P + len(req.pending[0].token_ids)) // bs) - P // bs
+        return 0
+
+    # ------------------------------------------------------------------ preemption
+    def _ensure_slot(self, seq: Sequence, scheduled: set[int]) -> bool:
+        """A slot for `seq`'s next token, preempting younger work if needed; False if `seq`
+        itself had to be preempted."""
+        while not self.kv.ensure_slot(seq, self.margin()):
+            if not self._preempt_one(seq, scheduled):
+                self.preempt_sample(seq)
+                return False
+        return True
+
+    def _preempt_one(self, for_seq: Sequence, scheduled: set[int]) -> bool:
+        """Frees blocks from the youngest work that `for_seq` outranks; False if there is none."""
+        mine = for_seq.request
+        for victim in reversed(self.active):
+            if victim.arrival < mine.arrival:
+                break
+            candidates = [s for s in victim.running if s is not for_seq and id(s) not in scheduled]
+            if candidates:
+                self.preempt_sample(candidates[-1])
+                return True
+            if victim is not mine:
+                self.preempt_request(victim)
+                return True
+        return False
+
+    def _preempt_younger(self, req: RequestState, scheduled: set[int]) -> bool:
+        """Preempts the youngest request younger than `req` with nothing scheduled this step."""
+        for victim in reversed(self.active):
+            if victim.arrival <= req.arrival:
+                return False
+            busy = any(id(s) in scheduled for s in victim.running)
+            if busy or (victim.prompt_seq is not None and id(victim.prompt_seq) in scheduled):
+                continue
+            self.preempt_request(victim)
+            return True
+        return False
+
+    def preempt_sample(self, seq: Sequence) -> None:
+        req = seq.request
+        self.sequence_done(seq)
+        self.kv.release_sequence(seq, cache=False)
+        req.pending.insert(0, seq.sample)
+        req.pending.sort(key=lambda s: s.index)
+        self.metrics.preempted_samples += 1
+
+    def preempt_request(self, req: RequestState) -> None:
+        for seq in list(req.running):
+            self.preempt_sample(seq)
+        self.kv.release_prompt(req)
+        req.pending = []
+        req.prompt_seq = None
+        req.status = Status.WAITING
+        req.waited_steps = 0
+        self.active.remove(req)
+        self.waiting.append(req)
+        self.metrics.preempted_requests += 1
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
