@@ -71,9 +71,12 @@ class OutputProcessor:
             return result
         stop_sets = {id(r): stop_token_set(r.params, self.eos_token_ids) for r in result.touched}
         try:
-            idx = torch.tensor(rows, dtype=torch.long, device=out.logits.device)
+            if rows == list(range(out.logits.shape[0])):  # each row drawn once, in order: no copy
+                picked = out.logits
+            else:
+                picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=out.logits.device))
             draw_rows(
-                out.logits.index_select(0, idx),
+                picked,
                 states,
                 [r.params for r in owner],
                 [r.seed for r in owner],
