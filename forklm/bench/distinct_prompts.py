@@ -28,6 +28,7 @@ import torch
 
 from forklm.attention.segments import attend_segment
 from forklm.bench.machine import machine_info
+from forklm.bench.sweep import write_json
 from forklm.bench.sweep import SNIPPET, TEMPERATURE, TOP_P, TransformersRunner, _step_clock
 from forklm.reference.forked_attention import PrefillAttention
 from forklm.reference.forked_kv import ForkedKVCache
@@ -139,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": "python -m forklm.bench.distinct_prompts " + " ".join(argv or __import__("sys").argv[1:]),
            "results": results}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(doc, args.out)
     return 0
 
 

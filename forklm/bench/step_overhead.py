@@ -22,6 +22,7 @@ import torch
 
 import forklm.engine.output_processor as output_processor
 from forklm.bench.machine import machine_info
+from forklm.bench.sweep import write_json
 from forklm.config import ModelConfig
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.models.llama import LlamaModel
@@ -101,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['rows']:4d} rows x {r['prompt_len']} tokens, {kind}: host {r['host_ms_median']:.2f} ms/step "
               f"(max {r['host_ms_max']:.2f})")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(doc, args.out)
     return 0
 
 
