@@ -113,9 +113,10 @@ class StepPlan:
 class TailRuns:
     """A row's tail as runs of slots, extended as the row grows (O(new tokens) per step)."""
 
-    __slots__ = ("table_id", "start", "end", "runs")
+    __slots__ = ("table_id", "start", "end", "runs", "prefix")
 
     def __init__(self) -> None:
+        self.prefix: tuple[int, ...] = ()  # the row's shareable leading blocks (the trie's key)
         self.table_id = -1
         self.start = 0  # first token of the tail
         self.end = 0  # tokens [start, end) are in `runs`
@@ -179,22 +180,30 @@ class StepPlanner:
     # ------------------------------------------------------------------ decode rows
     def _plan_decode(self, plan: StepPlan, rows: Sequence[DecodeRow]) -> None:
         bs = self.block_size
-        prefixes = [
-            tuple(r.block_table[: min(r.position // bs, r.shareable_blocks if r.shareable_blocks is not None else 1 << 62)])
-            for r in rows
-        ]
-        segments, tail_start = self._shared(rows, prefixes)
-        tails = []
-        live = set()
-        for i, r in enumerate(rows):
-            start, end = tail_start[i] * bs, r.position + 1
-            if r.key is None:
-                tails.append(slot_runs(r.block_table, start, end, bs))
-            else:
-                live.add(r.key)
+        caches: list[TailRuns | None] = []
+        prefixes = []
+        for r in rows:  # a row's blocks are only ever appended to: its cached prefix stays valid
+            n = min(r.position // bs, r.shareable_blocks if r.shareable_blocks is not None else 1 << 62)
+            cache = None
+            if r.key is not None:
                 cache = self._tails.get(r.key)
                 if cache is None:
                     cache = self._tails[r.key] = TailRuns()
+                if len(cache.prefix) != n:
+                    cache.prefix = tuple(r.block_table[:n])
+                prefixes.append(cache.prefix)
+            else:
+                prefixes.append(tuple(r.block_table[:n]))
+            caches.append(cache)
+        segments, tail_start = self._shared(rows, prefixes)
+        tails = []
+        live = set()
+        for i, (r, cache) in enumerate(zip(rows, caches)):
+            start, end = tail_start[i] * bs, r.position + 1
+            if cache is None:
+                tails.append(slot_runs(r.block_table, start, end, bs))
+            else:
+                live.add(r.key)
                 tails.append(cache.update(r.block_table, start, end, bs))
         if len(self._tails) > 4 * max(len(live), 64):  # rows that left without `forget`
             self._tails = {k: v for k, v in self._tails.items() if k in live}

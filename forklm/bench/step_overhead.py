@@ -13,7 +13,6 @@ allocated but never written (untouched pages cost no memory).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path

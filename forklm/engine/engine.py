@@ -38,8 +38,8 @@ from forklm.device import available_memory_bytes
 from forklm.engine.kv_manager import KVManager
 from forklm.engine.model_runner import ModelRunner
 from forklm.engine.output_processor import OutputProcessor, StepResult, emit
-from forklm.engine.request import RequestState, Sequence, Status, TokenEvent
-from forklm.engine.scheduler import ScheduledBatch, Scheduler
+from forklm.engine.request import RequestState, Status, TokenEvent
+from forklm.engine.scheduler import Scheduler
 from forklm.engine.validation import EngineLimits, min_blocks, validate_request
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
