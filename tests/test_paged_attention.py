@@ -272,3 +272,47 @@ def test_lane_groups_with_two_extents():
     v = torch.randn(len(rows), g, D, generator=gen)
     out = PagedAttention(kv, plan).attend(0, q, k, v)
     _check_rows(kv, rows, out, q, bs, 1e-5)
+
+
+def test_plan_advanced_in_place_matches_the_reference_every_step():
+    """The planner advances last step's decode plan instead of rebuilding it while the same rows
+    each decode one more token: runs grow, a row of its own that jumps to a block elsewhere gets
+    a new run, and a lane group whose rows leave their lanes is rebuilt. Every step's output
+    equals the reference, and most steps were advanced, not rebuilt."""
+    gen = torch.Generator().manual_seed(13)
+    rng = random.Random(13)
+    bs, h, g, D = 4, 4, 2, 8
+    kv = PagedKVCache(_config(h, g, D), 400, bs, torch.float32, torch.device("cpu"))
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    free = list(range(399, 299, -1))  # scattered blocks for jumps
+    prompt = [0, 1, 2]  # a shared 12-token prompt
+    lanes = [prompt + [10 + 4 * i, 11 + 4 * i] for i in range(3)]  # a lane group of 3 (2 blocks each)
+    own = [[100 + 20 * j + b for b in range(3)] for j in range(3)]  # rows of their own: 3 blocks each
+    tables = lanes + own
+    used = {b for t in tables for b in t}
+    positions = [12 + 1] * 3 + [5, 9, 2]
+    shareable = [3, 3, 3, 0, 0, 0]
+    planner = StepPlanner(bs, "auto", torch.device("cpu"))
+    steps = 24
+    for step in range(steps):
+        for table, pos in zip(tables, positions):
+            if pos // bs >= len(table):  # the row crosses into a block it lacks
+                nxt = table[-1] + 1
+                block = nxt if rng.random() < 0.5 and nxt not in used and nxt < 300 else free.pop()
+                used.add(block)
+                table.append(block)
+        rows = [DecodeRow(t, p, sb, key=i) for i, (t, p, sb) in enumerate(zip(tables, positions, shareable))]
+        plan = planner.plan(rows, [])
+        q = torch.randn(len(rows), h, D, generator=gen)
+        k = torch.randn(len(rows), g, D, generator=gen)
+        v = torch.randn(len(rows), g, D, generator=gen)
+        out = PagedAttention(kv, plan).attend(0, q, k, v)
+        _check_rows(kv, list(zip(tables, positions)), out, q, bs, 1e-5)
+        positions = [p + 1 for p in positions]
+    assert 1 < planner.rebuilds < steps // 2
+    # A row leaves: the plan is rebuilt for the rest.
+    before = planner.rebuilds
+    rows = [DecodeRow(t, p, sb, key=i) for i, (t, p, sb) in enumerate(zip(tables, positions, shareable)) if i != 4]
+    planner.plan(rows, [])
+    assert planner.rebuilds == before + 1

@@ -22,14 +22,19 @@ merged by log-sum-exp in float32 (docs/design.md "Attention over segments").
 Prefill chunks: the chunk's queries attend causally to the chunk itself and to the tokens before
 it (their runs, read in place), merged by log-sum-exp.
 
-The plan is cheap to rebuild each step: the shared-segment trie is cached on the rows' identity
-and their shareable prefixes (it changes only when rows join or leave), and each row's tail runs
-are extended incrementally (`TailRuns`).
+The plan is updated, not rebuilt, from one step to the next (`StepPlanner`): while the same
+rows decode one token each, the previous step's decode plan is advanced in place (each tail's
+last run grows by one slot; a row of its own whose new slot starts a new block elsewhere gets a
+new run). Only when rows join or leave, or a row of a multi-row tail group leaves its lane, is it
+rebuilt: then the shared-segment trie comes from a cache keyed on the rows' identity and
+shareable prefixes, and each row's tail runs are extended incrementally (`TailRuns`).
+A plan is valid for its own step only: the next step's may be the same objects, advanced.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,14 +48,22 @@ from forklm.cache.paged_kv import PagedKVCache, slot_runs, slots_of
 Runs = list[tuple[int, int]]  # [(first_slot, num_tokens), ...]
 
 
-@dataclass
 class DecodeRow:
-    """What the planner needs of one decode row: the token at `position` is new."""
+    """What the planner needs of one decode row: the token at `position` is new.
 
-    block_table: Sequence[int]
-    position: int
-    shareable_blocks: int | None = None  # leading full blocks other rows may list (None: all full blocks)
-    key: Hashable = None  # identity across steps (for the planner's caches); None: not cached
+    shareable_blocks: leading full blocks other rows may list (None: all full blocks).
+    key: identity across steps (for the planner's caches); None: not cached. The planner assumes
+    a keyed row's `block_table` is only ever appended to while it keeps its key.
+    """
+
+    __slots__ = ("block_table", "position", "shareable_blocks", "key")
+
+    def __init__(self, block_table: Sequence[int], position: int, shareable_blocks: int | None = None,
+                 key: Hashable = None) -> None:
+        self.block_table = block_table
+        self.position = position
+        self.shareable_blocks = shareable_blocks
+        self.key = key
 
 
 @dataclass
@@ -110,6 +123,21 @@ class StepPlan:
         return [e for e in self.extra if e.row1 - e.row0 >= 2]
 
 
+@dataclass
+class _DecodePlanState:
+    """The last step's decode plan and the rows it was made for (what `_advance` checks)."""
+
+    keys: list[Hashable]
+    tables: list[Sequence[int]]
+    positions: list[int]
+    slots: list[int]
+    group_of: list[int]  # row -> index of its tail group
+    tails: list[TailGroup]
+    extra: list[ExtraRead]
+    order: torch.Tensor | None
+    num_shared_reads: int
+
+
 class TailRuns:
     """A row's tail as runs of slots, extended as the row grows (O(new tokens) per step)."""
 
@@ -155,6 +183,8 @@ class StepPlanner:
         self._tails: dict[Hashable, TailRuns] = {}
         self._segments_key: tuple | None = None
         self._segments: tuple[list[SharedSegment], list[int]] = ([], [])
+        self._last: _DecodePlanState | None = None
+        self.rebuilds = 0  # decode plans built from scratch (the rest were advanced in place)
 
     def forget(self, key: Hashable) -> None:
         """Drops a row's cached tail (call when the row leaves for good)."""
@@ -165,7 +195,8 @@ class StepPlanner:
         as `[decode rows | chunk 0 | chunk 1 | ...]` (chunks: (block_table, s0, s1), tokens
         [s0, s1) new)."""
         bs, dev = self.block_size, self.device
-        slots = [r.block_table[r.position // bs] * bs + r.position % bs for r in decode_rows]
+        decode_slots = [r.block_table[r.position // bs] * bs + r.position % bs for r in decode_rows]
+        slots = list(decode_slots)
         plan_chunks = []
         row = len(decode_rows)
         for table, s0, s1 in chunks:
@@ -173,13 +204,49 @@ class StepPlanner:
             plan_chunks.append(PrefillChunk(row, s1 - s0, slot_runs(table, 0, s0, bs)))
             row += s1 - s0
         plan = StepPlan(torch.tensor(slots, dtype=torch.long, device=dev), len(decode_rows), chunks=plan_chunks)
-        if decode_rows:
-            self._plan_decode(plan, decode_rows)
+        if decode_rows and not self._advance(plan, decode_rows, decode_slots):
+            self.rebuilds += 1
+            self._plan_decode(plan, decode_rows, decode_slots)
         return plan
 
-    # ------------------------------------------------------------------ decode rows
-    def _plan_decode(self, plan: StepPlan, rows: Sequence[DecodeRow]) -> None:
+    def _advance(self, plan: StepPlan, rows: Sequence[DecodeRow], slots: list[int]) -> bool:
+        """Takes the last step's decode plan forward by one token per row, if the rows are the
+        same (same keys and block tables, in the same order, each one token further, shareable
+        prefixes fixed). A row whose new slot continues its last run grows that run; one whose
+        slot starts elsewhere gets a new run if it has a tail group of its own. Otherwise (a row
+        of a multi-row group left its lane) it returns False and the plan is rebuilt."""
+        last = self._last
+        if last is None or len(rows) != len(last.keys) or self.decode_kernel != "torch":
+            return False
         bs = self.block_size
+        jumps = []  # rows whose new slot does not follow their previous one
+        for i, (r, key, table, pos, slot, prev) in enumerate(
+            zip(rows, last.keys, last.tables, last.positions, slots, last.slots)
+        ):
+            sb = r.shareable_blocks
+            if r.key is not key or key is None or r.block_table is not table or r.position != pos + 1 \
+                    or sb is None or sb * bs > pos:
+                return False
+            if slot != prev + 1:
+                jumps.append(i)
+        tails = last.tails
+        if any(tails[last.group_of[i]].num_rows != 1 for i in jumps):
+            return False
+        for tg in tails:
+            tg.runs[-1].length += 1
+        for i in jumps:  # the run just grown was wrong for these: the new token is a run of its own
+            runs = tails[last.group_of[i]].runs
+            runs[-1].length -= 1
+            runs.append(StridedRun(slots[i], 0, 1))
+        last.positions = [r.position for r in rows]
+        last.slots = slots
+        plan.tails, plan.extra, plan.order, plan.num_shared_reads = tails, last.extra, last.order, last.num_shared_reads
+        return True
+
+    # ------------------------------------------------------------------ decode rows
+    def _plan_decode(self, plan: StepPlan, rows: Sequence[DecodeRow], slots: list[int]) -> None:
+        bs = self.block_size
+        self._last = None
         caches: list[TailRuns | None] = []
         prefixes = []
         for r in rows:  # a row's blocks are only ever appended to: its cached prefix stays valid
@@ -234,6 +301,10 @@ class StepPlanner:
             else:
                 groups.append(TailGroup(pos, 1, [StridedRun(first, 0, n) for first, n in runs]))
         plan.tails = groups
+        group_of = [0] * len(rows)
+        for gi, tg in enumerate(groups):
+            for pos in range(tg.row0, tg.row0 + tg.num_rows):
+                group_of[order[pos]] = gi
         extra: list[ExtraRead] = []
         for seg in segments:
             plan_rows = sorted(position_of[r] for r in seg.rows)
@@ -248,6 +319,11 @@ class StepPlanner:
                 extra.append(ExtraRead(r0, r1, first, n, bif))
             plan.num_shared_reads += bif
         plan.extra = extra
+        if all(r.key is not None for r in rows):
+            self._last = _DecodePlanState(
+                list(map(operator.attrgetter("key"), rows)), [r.block_table for r in rows],
+                [r.position for r in rows], slots, group_of, groups, extra, plan.order, plan.num_shared_reads,
+            )
 
     def _shared(self, rows: Sequence[DecodeRow], prefixes: list[tuple]) -> tuple[list[SharedSegment], list[int]]:
         key = tuple((r.key, len(p)) for r, p in zip(rows, prefixes)) if all(r.key is not None for r in rows) else None
