@@ -9,7 +9,9 @@ import torch
 from forklm.errors import InvalidArgumentError
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sampler import draw_inverse_cdf, filtered_candidates, model_logprobs, sample_tokens
-from forklm.sampling.seeds import counter_uniform
+import random
+
+from forklm.sampling.seeds import counter_uniform, counter_uniforms
 
 
 def reference_distribution(logits_row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -103,6 +105,16 @@ def test_counter_uniform_depends_only_on_its_triple():
     us = [counter_uniform(1, i, 0) for i in range(4000)]
     assert abs(sum(us) / len(us) - 0.5) < 0.02
     assert math.isclose(sorted(us)[2000], 0.5, abs_tol=0.03)
+
+
+def test_batched_uniforms_equal_the_scalar_function_bit_for_bit():
+    rng = random.Random(7)
+    seeds = [0, 1, (1 << 64) - 1, 1 << 63, -5] + [rng.getrandbits(64) for _ in range(300)]
+    idx = [rng.randrange(0, 1 << 20) for _ in seeds]
+    steps = [rng.randrange(0, 1 << 17) for _ in seeds]
+    got = counter_uniforms(seeds, idx, steps)
+    assert got.dtype == torch.float64 and got.shape == (len(seeds),)
+    assert got.tolist() == [counter_uniform(s, i, t) for s, i, t in zip(seeds, idx, steps)]
 
 
 @pytest.mark.parametrize(

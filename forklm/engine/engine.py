@@ -149,6 +149,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._lock = threading.Lock()  # guards cancel flags set from other threads
+        self._cancels = 0  # cancel() calls not yet acted on (so a step scans for them only then)
 
     @property
     def waiting(self) -> list[RequestState]:
@@ -197,6 +198,7 @@ class Engine:
             if req is None or req.status is Status.FINISHED:
                 return False
             req.cancelled = True
+            self._cancels += 1
             return True
 
     def abort(self, request_id: str) -> bool:
@@ -241,10 +243,13 @@ class Engine:
                 raise OutOfMemoryError("the engine cannot schedule any work: no KV blocks can be freed")
 
     def _any_cancel_pending(self) -> bool:
-        return any(r.cancelled for r in self.waiting + self.active)
+        return self._cancels > 0
 
     def _end_cancelled(self) -> list[RequestState]:
+        if not self._cancels:  # read without the lock: a cancel that races this is seen next step
+            return []
         with self._lock:
+            self._cancels = 0
             cancelled = [r for r in self.waiting + self.active if r.cancelled]
         for req in cancelled:
             self._finish_request(req, cancelled=True)
@@ -273,7 +278,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001
                 failed.setdefault(id(seq.request), (seq.request, exc))
         ended = self._fail_requests(failed)
-        for req in result.touched:
+        for req in result.sample_ended.values():  # only these can have run out of samples
             if req.status is not Status.FINISHED and not req.unfinished_samples:
                 self._finish_request(req)
                 ended.append(req)

@@ -33,26 +33,19 @@ class ModelRunner:
         """One forward over the batch; the sequences' computed counts advance only if it succeeds."""
         dev = self.model.device
         bs = self.kv.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        logits_rows: list[int] = []
-        row_of_seq: dict[int, int] = {}
-        for seq in batch.decode:
-            t = seq.num_computed
-            row_of_seq[id(seq)] = len(logits_rows)
-            logits_rows.append(len(ids))
-            ids.append(seq.tokens[t])
-            pos.append(t)
+        decode = batch.decode
+        pos = [seq.num_computed for seq in decode]
+        ids = [seq.tokens[t] for seq, t in zip(decode, pos)]
+        logits_rows = list(range(len(decode)))
+        row_of_seq = {id(seq): i for i, seq in enumerate(decode)}
+        decode_rows = [DecodeRow(seq.block_table, t, len(seq.request.prompt_ids) // bs, seq) for seq, t in zip(decode, pos)]
         for seq, s0, s1 in batch.chunks:
             ids.extend(seq.tokens[s0:s1])
             pos.extend(range(s0, s1))
             if s1 == len(seq.tokens):
                 row_of_seq[id(seq)] = len(logits_rows)
                 logits_rows.append(len(ids) - 1)
-        plan = self.planner.plan(
-            [DecodeRow(seq.block_table, seq.num_computed, len(seq.request.prompt_ids) // bs, seq) for seq in batch.decode],
-            [(seq.block_table, s0, s1) for seq, s0, s1 in batch.chunks],
-        )
+        plan = self.planner.plan(decode_rows, [(seq.block_table, s0, s1) for seq, s0, s1 in batch.chunks])
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),

@@ -31,6 +31,7 @@ class StepResult:
     prompts_done: list[RequestState] = field(default_factory=list)  # prompts whose prefill completed
     finished_seqs: list[Sequence] = field(default_factory=list)  # samples that ended (blocks to release)
     failed: dict[int, tuple[RequestState, BaseException]] = field(default_factory=dict)  # id(req) -> (req, error)
+    sample_ended: dict[int, RequestState] = field(default_factory=dict)  # requests a sample of which ended
 
     def fail(self, req: RequestState, exc: BaseException) -> None:
         self.failed.setdefault(id(req), (req, exc))
@@ -48,12 +49,13 @@ class OutputProcessor:
         seqs: list[Sequence | None] = []  # None: a sample's first token, from its prompt's logits
         owner: list[RequestState] = []  # the request of each drawn state
         touched: dict[int, RequestState] = {}
+        row_of_seq = out.row_of_seq
         for seq in batch.decode + [c[0] for c in batch.chunks]:
-            if id(seq) not in out.row_of_seq:
+            row = row_of_seq.get(id(seq))
+            if row is None:
                 continue
             req = seq.request
             touched[id(req)] = req
-            row = out.row_of_seq[id(seq)]
             if seq.sample is None:
                 result.prompts_done.append(req)
                 fresh = [st for st in req.samples if not st.token_ids]
@@ -69,69 +71,59 @@ class OutputProcessor:
         result.touched = list(touched.values())
         if not states:
             return result
-        stop_sets = {id(r): stop_token_set(r.params, self.eos_token_ids) for r in result.touched}
+        for r in result.touched:
+            if r.stop_ids is None:
+                r.stop_ids = stop_token_set(r.params, self.eos_token_ids)
         try:
             if rows == list(range(out.logits.shape[0])):  # each row drawn once, in order: no copy
                 picked = out.logits
             else:
                 picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=out.logits.device))
-            draw_rows(
-                picked,
-                states,
-                [r.params for r in owner],
-                [r.seed for r in owner],
-                [stop_sets[id(r)] for r in owner],
-            )
+            draw_rows(picked, states, [r.params for r in owner], [r.seed for r in owner], [r.stop_ids for r in owner])
         except Exception as exc:  # noqa: BLE001 - the whole draw failed: this step's requests fail
             for r in result.touched:
                 result.fail(r, exc)
             return result
-        done: list[bool] = []
-        for st, r in zip(states, owner):
-            if id(r) in result.failed:
-                done.append(True)
+        self._count(result.touched, owner, out.shared_reads)
+        failed = result.failed
+        decode = self.decode
+        for seq, st, r in zip(seqs, states, owner):
+            if failed and id(r) in failed:
                 continue
             try:
-                done.append(check_finished(st, r.params, stop_sets[id(r)], self.decode))
+                fin = check_finished(st, r.params, r.stop_ids, decode)
+                sample = to_sample(st, decode) if fin else None
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: this request fails
                 result.fail(r, exc)
-                done.append(True)
-        self._count(owner, out.shared_reads)
-        for seq, st, r, fin in zip(seqs, states, owner, done):
-            if id(r) in result.failed:
                 continue
-            if seq is not None and not fin:
+            if fin:
+                result.sample_ended[id(r)] = r
+                if seq is not None:
+                    result.finished_seqs.append(seq)
+            elif seq is not None:
                 seq.tokens.append(st.token_ids[-1])
-            try:
-                sample = to_sample(st, self.decode) if fin else None
-            except Exception as exc:  # noqa: BLE001
-                result.fail(r, exc)
-                continue
-            emit(r, TokenEvent(
-                r.request_id, st.index, st.token_ids[-1], st.logprobs[-1], st.finish_reason if fin else None,
-                top_logprobs=st.top_logprobs[-1] if st.top_logprobs else None, sample=sample,
-            ))
-            if seq is not None and fin:
-                result.finished_seqs.append(seq)
+            if r.on_event is not None:
+                emit(r, TokenEvent(r.request_id, st.index, st.token_ids[-1], st.logprobs[-1],
+                                   st.finish_reason if fin else None,
+                                   st.top_logprobs[-1] if st.top_logprobs else None, sample))
         return result
 
     @staticmethod
-    def _count(owner: list[RequestState], shared_reads: int) -> None:
-        """Per-request stats: generated tokens, decode steps and their wall times, paths taken."""
+    def _count(touched: list[RequestState], owner: list[RequestState], shared_reads: int) -> None:
+        """Per-request stats: generated tokens (`owner`: the request of each drawn token), decode
+        steps and their wall times, paths taken."""
         now = time.perf_counter()
         path = "bifurcated" if shared_reads else "standard"
-        counted: set[int] = set()
         for r in owner:
+            r.stats.generated_tokens += 1
+        for r in touched:
             if r.first_token_time is None:
                 r.first_token_time = now
-            r.stats.generated_tokens += 1
-            if id(r) in counted:
-                continue
-            counted.add(id(r))
             if r.last_step_time is not None:  # a decode step (the first tokens come from the prefill's)
-                r.stats.steps += 1
-                r.stats.path_steps[path] = r.stats.path_steps.get(path, 0) + 1
-                r.stats.step_s.append(now - r.last_step_time)
+                stats = r.stats
+                stats.steps += 1
+                stats.path_steps[path] = stats.path_steps.get(path, 0) + 1
+                stats.step_s.append(now - r.last_step_time)
             r.last_step_time = now
 
 

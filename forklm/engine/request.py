@@ -40,7 +40,7 @@ class Sequence:
         return len(self.tokens) - self.num_computed
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TokenEvent:
     """One new token of one sample, or the end of a request (`done`); what a stream receives."""
 
@@ -82,6 +82,7 @@ class RequestState:
     last_step_time: float | None = None  # the latest step that gave this request tokens
     output: Any = None  # SampleOutput, once finished
     error: BaseException | None = None  # why it failed, if it did (then `output` is None)
+    stop_ids: set[int] | None = None  # token ids that end a sample (the output processor fills it)
 
     @property
     def unfinished_samples(self) -> list[SampleState]:

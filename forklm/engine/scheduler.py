@@ -70,12 +70,23 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_batch_tokens
         scheduled: set[int] = set()  # id() of sequences already in this step
-        # (a) decode rows
+        # (a) decode rows; prompts and recomputes (more than one token pending) are noted for (b)
+        metrics, bs = self.metrics, self.kv.block_size
+        preemptions = metrics.preempted_samples
+        more: list[Sequence] = []
         for req in list(self.active):
+            if req.status is Status.PREFILLING:
+                more.append(req.prompt_seq)
             for seq in list(req.running):
-                if seq.num_pending != 1 or seq not in req.running:
+                pending = len(seq.tokens) - seq.num_computed
+                if pending > 1:
+                    more.append(seq)
+                if pending != 1:
                     continue
-                if self._ensure_slot(seq, scheduled):
+                if metrics.preempted_samples != preemptions and seq not in req.running:
+                    continue  # preempted for an older sequence in this loop
+                # a slot already held (the common case) needs no question to the KV manager
+                if seq.num_computed < len(seq.block_table) * bs or self._ensure_slot(seq, scheduled):
                     batch.decode.append(seq)
                     scheduled.add(id(seq))
         budget -= len(batch.decode)
@@ -92,13 +103,11 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= take
 
-        # (b) prompts being prefilled and samples being recomputed
-        for req in self.active:
-            if req.status is Status.PREFILLING:
-                add_chunk(req.prompt_seq)
-            for seq in req.running:
-                if seq.num_pending > 1 and id(seq) not in scheduled:
-                    add_chunk(seq)
+        # (b) prompts being prefilled and samples being recomputed (unless preempted in (a))
+        for seq in more:
+            req = seq.request
+            if seq is req.prompt_seq or (seq in req.running and id(seq) not in scheduled):
+                add_chunk(seq)
         # (c) samples waiting for blocks or a row
         for req in self.active:
             slots = self.config.max_num_seqs - self.num_running

@@ -14,7 +14,7 @@ import torch
 from forklm.outputs import Sample
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sampler import model_logprobs, sample_tokens
-from forklm.sampling.seeds import counter_uniform
+from forklm.sampling.seeds import counter_uniforms
 
 
 class SampleState:
@@ -69,9 +69,7 @@ def draw_rows(
         masked = logits.clone()
         for r in early:
             masked[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=logits.device)] = float("-inf")
-    u = torch.tensor(
-        [counter_uniform(seeds[r], s.index, t) for r, (s, t) in enumerate(zip(states, step_of))], dtype=torch.float64
-    )
+    u = counter_uniforms(seeds, [s.index for s in states], step_of)
     groups: dict[tuple, list[int]] = {}
     for r, p in enumerate(params):
         groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
