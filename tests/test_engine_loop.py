@@ -160,3 +160,45 @@ def test_raising_hooks_and_consumers_end_every_request_once(smollm2_f32):
         assert done == ["a", "b", "c"]
     finally:
         lp.close()
+
+
+def test_events_reach_asyncio_in_order_with_one_wake_up_per_burst():
+    """Events pushed from the engine's thread while the asyncio loop is busy arrive complete and
+    in order, handed over in one call per burst (not one self-pipe wake-up per token)."""
+    from forklm.engine.loop import RequestStream
+    from forklm.engine.request import TokenEvent
+
+    streams = [RequestStream(f"r{i}") for i in range(3)]
+    pushed = threading.Event()
+    calls = []
+
+    async def main():
+        running = asyncio.get_running_loop()
+        real = running.call_soon_threadsafe
+        running.call_soon_threadsafe = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        queues = [s._attach() for s in streams]
+
+        def engine_thread():
+            for t in range(200):
+                for i, s in enumerate(streams):
+                    s._push(TokenEvent(s.request_id, 0, t * 10 + i))
+            for s in streams:
+                s._push(TokenEvent(s.request_id, done=True))
+            pushed.set()
+
+        threading.Thread(target=engine_thread).start()
+        pushed.wait(10)  # the loop is blocked meanwhile: everything lands in one burst
+        out = []
+        for q in queues:
+            got = []
+            while True:
+                ev = await q.get()
+                if ev.done:
+                    break
+                got.append(ev.token_id)
+            out.append(got)
+        return out
+
+    out = asyncio.run(main())
+    assert out == [[t * 10 + i for t in range(200)] for i in range(3)]
+    assert 1 <= len(calls) <= 2

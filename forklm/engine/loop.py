@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from forklm.engine.engine import Engine
@@ -36,13 +37,57 @@ class EngineLoopClosed(ForkLMError):
     """The engine loop was closed; no new requests are accepted."""
 
 
+class _Mailbox:
+    """Events bound for one asyncio loop, handed over in one call per burst: the engine thread
+    wakes the loop once per step, not once per token (each wake-up is a self-pipe write and a
+    trip of the loop's thread through the GIL, which slowed the engine's steps in process)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, TokenEvent]] = []
+        self._broken: BaseException | None = None
+
+    def put(self, q: asyncio.Queue, event: TokenEvent) -> None:
+        """Raises if the loop is closed."""
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            self._items.append((q, event))
+            if len(self._items) > 1:
+                return  # a hand-over is already scheduled and will take this one too
+            try:
+                self.loop.call_soon_threadsafe(self._hand_over)
+            except Exception as exc:  # the loop is closed: nothing bound for it can arrive
+                self._broken, self._items = exc, []
+                raise
+
+    def _hand_over(self) -> None:  # on the asyncio loop
+        with self._lock:
+            items, self._items = self._items, []
+        for q, event in items:
+            q.put_nowait(event)
+
+
+_mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+_mailboxes_lock = threading.Lock()
+
+
+def _mailbox_of(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    with _mailboxes_lock:
+        box = _mailboxes.get(loop)
+        if box is None:
+            box = _mailboxes[loop] = _Mailbox(loop)
+        return box
+
+
 class RequestStream:
     """The events of one request, readable from any thread or from asyncio."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._events: queue.Queue[TokenEvent] = queue.Queue()
-        self._aio: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self._aio: tuple[_Mailbox, asyncio.Queue] | None = None
         self._lock = threading.Lock()
         self._backlog: list[TokenEvent] = []
         self.output: SampleOutput | None = None
@@ -58,8 +103,8 @@ class RequestStream:
         try:
             with self._lock:
                 if self._aio is not None:
-                    loop, q = self._aio
-                    loop.call_soon_threadsafe(q.put_nowait, event)
+                    box, q = self._aio
+                    box.put(q, event)
                 else:
                     self._events.put(event)
                     self._backlog.append(event)
@@ -81,7 +126,7 @@ class RequestStream:
         with self._lock:  # events that arrived before we attached, then live ones
             for ev in self._backlog:
                 q.put_nowait(ev)
-            self._aio = (asyncio.get_running_loop(), q)
+            self._aio = (_mailbox_of(asyncio.get_running_loop()), q)
         return q
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:

@@ -44,13 +44,23 @@ class OutputProcessor:
 
     def process(self, batch: ScheduledBatch, out: StepOutput) -> StepResult:
         result = StepResult()
-        rows: list[int] = []  # logits row of each drawn state
-        states: list[SampleState] = []
-        seqs: list[Sequence | None] = []  # None: a sample's first token, from its prompt's logits
-        owner: list[RequestState] = []  # the request of each drawn state
-        touched: dict[int, RequestState] = {}
         row_of_seq = out.row_of_seq
-        for seq in batch.decode + [c[0] for c in batch.chunks]:
+        dec = batch.decode
+        rows: list[int]  # logits row of each drawn state
+        states: list[SampleState]
+        seqs: list[Sequence | None]  # None: a sample's first token, from its prompt's logits
+        owner: list[RequestState]  # the request of each drawn state
+        if all(seq.sample is not None for seq in dec):  # decode rows of samples (the common case)
+            rows = [row_of_seq[id(seq)] for seq in dec]
+            states = [seq.sample for seq in dec]
+            seqs = list(dec)
+            owner = [seq.request for seq in dec]
+            touched = {id(r): r for r in owner}
+            rest = [c[0] for c in batch.chunks]
+        else:
+            rows, states, seqs, owner, touched = [], [], [], [], {}
+            rest = dec + [c[0] for c in batch.chunks]
+        for seq in rest:
             row = row_of_seq.get(id(seq))
             if row is None:
                 continue
