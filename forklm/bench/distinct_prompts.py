@@ -12,6 +12,8 @@ step (one forward over every row + the draw) of each implementation, and the rat
 - dense: the same model, rows prefilled one by one into a `[rows, g, L, D]` cache per layer, then
   each step one forward whose attention is one SDPA call over the dense cache (no paging, no
   planning, no scheduler), plus the same batched draw.
+Each implementation runs `--repeats` times, interleaved; a point reports the median of the runs'
+median steps (the machine's speed drifts by ±15% between runs).
 - transformers: `generate` on the `[rows, prompt_len]` batch (equal lengths: no padding).
 """
 
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--points", default="16x512,64x512,16x2048", help="rows x prompt_len, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per implementation, interleaved (median reported)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -124,13 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         rows, m = (int(x) for x in point.split("x"))
         prompts = distinct_prompts(llm, rows, m)
         row = {"rows": rows, "prompt_len": m, "new_tokens": args.new_tokens}
-        for name, fn in [("engine", lambda: engine_steps(llm, prompts, args.new_tokens)),
-                         ("dense", lambda: dense_steps(llm, prompts, args.new_tokens)),
-                         ("transformers", (lambda: transformers_steps(hf, prompts, args.new_tokens)) if hf else None)]:
-            if fn is None:
-                continue
-            steps = fn()
-            row[f"{name}_step_ms"] = statistics.median(steps) * 1e3
+        runs = [("engine", lambda: engine_steps(llm, prompts, args.new_tokens)),
+                ("dense", lambda: dense_steps(llm, prompts, args.new_tokens))]
+        if hf:
+            runs.append(("transformers", lambda: transformers_steps(hf, prompts, args.new_tokens)))
+        repeats: dict[str, list[float]] = {name: [] for name, _ in runs}
+        for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits all alike
+            for name, fn in runs:
+                repeats[name].append(statistics.median(fn()) * 1e3)
+        for name, ms in repeats.items():
+            row[f"{name}_step_ms"] = statistics.median(ms)
+            row[f"{name}_step_ms_repeats"] = ms
         if "transformers_step_ms" in row:
             row["transformers_over_engine"] = row["transformers_step_ms"] / row["engine_step_ms"]
         row["engine_over_dense"] = row["engine_step_ms"] / row["dense_step_ms"]
