@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
 import sys
@@ -34,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
+from forklm.bench.machine import machine_info
 from forklm.cache.block_pool import BlockPool
 from forklm.cache.radix_cache import RadixCache
 from forklm.engine.loop import EngineLoop
@@ -298,9 +297,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             "model": str(llm.source),
             "dtype": dtype_name(llm.dtype),
             "device": llm.device.type,
-            "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
+            **machine_info(),  # CPU model and vector features, threads, torch
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "workload": {k: getattr(args, k) for k in ("systems", "system_tokens", "users", "user_tokens", "n",
                                                          "new_tokens", "arrival_s", "seed")},

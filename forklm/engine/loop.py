@@ -69,7 +69,7 @@ class _Mailbox:
             q.put_nowait(event)
 
 
-_mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
 _mailboxes_lock = threading.Lock()
 
 
