@@ -16,6 +16,7 @@ from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
 from forklm.models.random_weights import random_config, random_weights
 from forklm.models.registry import DEFAULT_MODEL, load_model_files
 from forklm.outputs import SampleOutput
+from forklm.sampling.constraints import make_constraint
 from forklm.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -37,6 +38,11 @@ class Request:
     min_tokens: int = 0
     ignore_eos: bool = False
     top_logprobs: int = 0  # record this many most likely alternatives per token (0..20)
+    # at most one constraint, which every sample's text then matches (see sampling/constraints.py):
+    json_schema: dict | str | None = None  # a JSON schema (dict or its JSON text)
+    regex: str | None = None  # a regular expression the whole text matches
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect; GBNF too)
+    choice: Sequence[str] | None = None  # the text is one of these strings
 
     @classmethod
     def from_any(cls, spec: Any, position: int = 0) -> "Request":
@@ -65,6 +71,8 @@ class Request:
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             top_logprobs=self.top_logprobs,
+            constraint=make_constraint(json_schema=self.json_schema, regex=self.regex, grammar=self.grammar,
+                                       choice=self.choice),
         )
 
 
@@ -150,15 +158,22 @@ class LLM:
         ignore_eos: bool = False,
         top_logprobs: int = 0,
         attention: str = "auto",
+        json_schema: dict | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+        choice: Sequence[str] | None = None,
     ) -> SampleOutput:
         """Draws n samples of one prompt on the engine: the prompt is prefilled once (or found in
         the prefix cache), its KV shared by the n samples and read once per decode step.
 
         attention: how shared prompt segments are read: "auto" (the measured rule), "bifurcated"
         (one product for all samples) or "standard" (once per sample, as conventional engines do).
+
+        json_schema / regex / grammar / choice: at most one; every sample's text then matches it
+        (a sample whose constraint is complete ends with finish_reason "stop").
         """
         req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos,
-                      top_logprobs)
+                      top_logprobs, json_schema, regex, grammar, choice)
         params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
         engine = self.default_engine() if attention == "auto" else self._engine_for(attention)

@@ -3,7 +3,8 @@
 It reads the step's logits, draws every sample's next token in one batched draw (rows grouped by
 their sampling parameters, each row's randomness from (seed, sample, position): the same token
 whatever the batch), applies the stop rules (`sampling/sample_state.py`), and emits one
-`TokenEvent` per new token. It never touches blocks: it reports which prompts completed, which
+`TokenEvent` per new token. A constrained request's samples get their grammar matchers here, at
+their first draw (`sampling/constraints.py`, bound to the engine's tokenizer). It never touches blocks: it reports which prompts completed, which
 sequences finished and which requests failed, and the engine hands those to the KV manager.
 
 Failures are isolated per request: a stop check or final decode that raises (e.g. a tokenizer
@@ -22,7 +23,10 @@ import torch
 from forklm.engine.model_runner import StepOutput
 from forklm.engine.request import RequestState, Sequence, TokenEvent
 from forklm.engine.scheduler import ScheduledBatch
+from forklm.errors import InvalidArgumentError
+from forklm.sampling.constraints import token_constraints
 from forklm.sampling.sample_state import SampleState, check_finished, draw_rows, stop_token_set, to_sample
+from forklm.tokenizer import Tokenizer
 
 
 @dataclass
@@ -41,6 +45,9 @@ class OutputProcessor:
     def __init__(self, decode: Callable[[list[int]], str], eos_token_ids: tuple[int, ...]) -> None:
         self.decode = decode
         self.eos_token_ids = eos_token_ids
+        # the engine is handed its tokenizer's bound `decode`; constraints need that vocabulary
+        tokenizer = getattr(decode, "__self__", None)
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else None
 
     def process(self, batch: ScheduledBatch, out: StepOutput) -> StepResult:
         result = StepResult()
@@ -84,6 +91,16 @@ class OutputProcessor:
         for r in result.touched:
             if r.stop_ids is None:
                 r.stop_ids = stop_token_set(r.params, self.eos_token_ids)
+            if r.params.constraint is not None and r.samples[0].matcher is None:
+                try:
+                    self._start_matchers(r)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the others draw
+                    result.fail(r, exc)
+        if result.failed:
+            keep = [i for i, r in enumerate(owner) if id(r) not in result.failed]
+            rows, states, seqs, owner = ([x[i] for i in keep] for x in (rows, states, seqs, owner))
+            if not states:
+                return result
         try:
             if rows == list(range(out.logits.shape[0])):  # each row drawn once, in order: no copy
                 picked = out.logits
@@ -117,6 +134,14 @@ class OutputProcessor:
                                    st.finish_reason if fin else None,
                                    st.top_logprobs[-1] if st.top_logprobs else None, sample))
         return result
+
+    def _start_matchers(self, req: RequestState) -> None:
+        """Gives each sample of a constrained request its own matcher (at its first draw)."""
+        if self.tokenizer is None:
+            raise InvalidArgumentError(f"{req.params.constraint.param}: this engine has no tokenizer to constrain text with")
+        constraints = token_constraints(self.tokenizer, self.eos_token_ids)
+        for st, matcher in zip(req.samples, constraints.matchers(req.params.constraint, len(req.samples))):
+            st.matcher = matcher
 
     @staticmethod
     def _count(touched: list[RequestState], owner: list[RequestState], shared_reads: int) -> None:

@@ -16,7 +16,7 @@ from forklm.sampling.params import SamplingParams
 class EngineLimits:
     vocab_size: int
     max_positions: int  # the model's context length
-    has_tokenizer: bool  # stop strings need text
+    has_tokenizer: bool  # stop strings and constraints need text
     num_blocks: int  # KV pool size
     block_size: int
 
@@ -38,6 +38,9 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, limits: Engi
         raise InvalidArgumentError(f"stop_token_ids must be token ids in [0, {V})")
     if params.stop and not limits.has_tokenizer:
         raise InvalidArgumentError("stop: this model has no tokenizer, so stop strings cannot match; use stop_token_ids")
+    if params.constraint is not None and not limits.has_tokenizer:
+        raise InvalidArgumentError(f"{params.constraint.param}: this model has no tokenizer (random weights), so its "
+                                   "text cannot be constrained")
     if len(prompt_ids) + params.max_tokens > limits.max_positions:
         raise InvalidArgumentError(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "

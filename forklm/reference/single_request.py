@@ -19,6 +19,8 @@ from forklm.reference.forked_attention import DecodeAttention, PrefillAttention
 from forklm.reference.forked_kv import ForkedKVCache
 from forklm.models.llama import LlamaModel
 from forklm.outputs import SampleOutput, Stats
+from forklm.errors import InvalidArgumentError
+from forklm.sampling.constraints import TokenConstraints, token_constraints
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sample_state import SampleState, check_finished, draw_next, stop_token_set, to_sample
 from forklm.sampling.seeds import fresh_seed
@@ -30,7 +32,10 @@ def generate_single_request(
     prompt_ids: list[int],
     params: SamplingParams,
     eos_token_ids: tuple[int, ...],
+    constraints: TokenConstraints | None = None,  # the tokenizer's binding, for a constrained request
 ) -> SampleOutput:
+    if params.constraint is not None and constraints is None:
+        raise InvalidArgumentError(f"{params.constraint.param}: pass the tokenizer's TokenConstraints to constrain text")
     cfg = model.config
     device = model.device
     n, m_c = params.n, len(prompt_ids)
@@ -52,6 +57,9 @@ def generate_single_request(
     t1 = time.perf_counter()
     cache.fork()
     states = [SampleState(i) for i in range(n)]
+    if params.constraint is not None:
+        for st, matcher in zip(states, constraints.matchers(params.constraint, n)):
+            st.matcher = matcher
     live = list(states)  # row r of the batch is live[r]
     logits = logits.expand(n, -1)
     t_step = time.perf_counter()
@@ -100,4 +108,5 @@ def sample_single_request(llm, prompt, n: int = 1, *, attention: str = "auto", *
     params = dataclasses.replace(Request(prompt, n, **kwargs).params(), attention=attention)
     prompt_ids = llm.prompt_token_ids(prompt)
     llm.validate(prompt_ids, params)
-    return generate_single_request(llm.model, llm.decode, prompt_ids, params, llm.eos_token_ids)
+    constraints = token_constraints(llm.tokenizer, llm.eos_token_ids) if params.constraint is not None else None
+    return generate_single_request(llm.model, llm.decode, prompt_ids, params, llm.eos_token_ids, constraints)

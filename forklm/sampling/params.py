@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from forklm.errors import InvalidArgumentError
+from forklm.sampling.constraints import Constraint
 from forklm.sampling.sampler import GREEDY_BELOW
 
 MAX_TOP_LOGPROBS = 20
@@ -25,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0  # alternatives recorded per token (the most likely, by the model's log-softmax)
     attention: str = "auto"  # "auto" | "bifurcated" | "standard"
+    constraint: Constraint | None = None  # what every sample's text must match (`constraints.make_constraint`)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +61,8 @@ class SamplingParams:
             raise bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.attention not in ("auto", "bifurcated", "standard"):
             raise bad("attention", self.attention, "one of 'auto', 'bifurcated', 'standard'")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise bad("constraint", self.constraint, "a Constraint (forklm.sampling.constraints.make_constraint) or None")
 
     @property
     def greedy(self) -> bool:

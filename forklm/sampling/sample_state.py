@@ -1,8 +1,10 @@
 """Per-sample sampling state and its rules, shared by the engine and the reference single-request path.
 
 `draw_next` samples one token for each of a request's live samples from their logits rows,
-with sample i's randomness from (seed, i, step); `check_finished` applies EOS / stop token /
-stop string / max_tokens rules after each new token; `to_sample` builds the user-facing result.
+with sample i's randomness from (seed, i, step); a constrained sample's row is masked first to
+the tokens its grammar allows (`constraints.py`). `check_finished` feeds the new token to the
+sample's grammar and applies its end and the EOS / stop token / stop string / max_tokens rules;
+`to_sample` builds the user-facing result.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from forklm.outputs import Sample
+from forklm.sampling.constraints import SampleMatcher, apply_token_masks
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sampler import model_logprobs, sample_tokens
 from forklm.sampling.seeds import counter_uniforms
@@ -20,7 +23,8 @@ from forklm.sampling.seeds import counter_uniforms
 class SampleState:
     """One sample while it runs: its tokens, log-probs and why it ended (once it has)."""
 
-    __slots__ = ("index", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "text", "checked")
+    __slots__ = ("index", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "text", "checked",
+                 "matcher")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -31,6 +35,7 @@ class SampleState:
         self.stop_reason: str | int | None = None
         self.text: str | None = None  # set when a stop string cut it
         self.checked = 0  # characters of decoded text already searched for stop strings
+        self.matcher: SampleMatcher | None = None  # its place in its grammar, when constrained
 
     @property
     def finished(self) -> bool:
@@ -61,14 +66,24 @@ def draw_rows(
     stop_ids: Sequence[set[int]],
 ) -> tuple[list[int], list[float]]:
     """`draw_next` for rows of several requests: rows whose temperature/top-k/top-p agree are
-    drawn in one batch (every operation is per row, so the batch does not change a row's draw)."""
+    drawn in one batch (every operation is per row, so the batch does not change a row's draw).
+    A constrained row (its state has a matcher) draws only tokens its grammar allows; the
+    log-probs recorded stay the model's own."""
     step_of = [len(s.token_ids) for s in states]
     masked = logits
     early = [r for r, t in enumerate(step_of) if t < params[r].min_tokens and stop_ids[r]]
-    if early:
+    constrained = [r for r, s in enumerate(states) if s.matcher is not None]
+    if early or constrained:
         masked = logits.clone()
+    for r in early:
+        masked[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=logits.device)] = float("-inf")
+    if constrained:
+        apply_token_masks(masked, constrained, [states[r].matcher for r in constrained])
         for r in early:
-            masked[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=logits.device)] = float("-inf")
+            if states[r].matcher is not None and bool(torch.isneginf(masked[r]).all()):
+                # min_tokens banned all the grammar allows (its end, or stop_token_ids): the grammar wins
+                masked[r] = logits[r]
+                apply_token_masks(masked, [r], [states[r].matcher])
     u = counter_uniforms(seeds, [s.index for s in states], step_of)
     groups: dict[tuple, list[int]] = {}
     for r, p in enumerate(params):
@@ -118,6 +133,11 @@ def check_finished(
     """
     tok = st.token_ids[-1]
     can_stop = len(st.token_ids) > params.min_tokens
+    if st.matcher is not None:
+        st.matcher.consume(tok)  # raises ConstraintError if the grammar refuses it
+        if st.matcher.finished:  # the grammar is complete (or took its end-of-sequence): nothing can follow
+            st.finish_reason, st.stop_reason = "stop", (tok if tok in stop_ids else None)
+            return True
     if can_stop and tok in stop_ids:
         st.finish_reason, st.stop_reason = "stop", tok
         return True
