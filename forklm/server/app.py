@@ -39,7 +39,7 @@ from forklm.outputs import Sample, SampleOutput
 from forklm.sampling.params import SamplingParams
 from forklm.server.errors import APIError, clip, invalid, param_of_message
 from forklm.server.metrics import ServerMetrics
-from forklm.server.protocol import ChatBody, CompletionBody, parse_body
+from forklm.server.protocol import ChatBody, CompletionBody, constraint_of, parse_body
 from forklm.server.text_stream import SampleTextStream, TextOffsets
 
 
@@ -155,6 +155,7 @@ class _Server:
             max_tokens = body.max_tokens
             top_logprobs = body.logprobs or 0
             n_samples = body.best_of or body.n
+        constraint = constraint_of(body)  # compiles it (cached by its text): off the event loop, as this is
         vocab = llm.config.vocab_size
         if body.stop_token_ids and max(body.stop_token_ids) >= vocab:
             raise invalid(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
@@ -180,6 +181,7 @@ class _Server:
                     stop_token_ids=tuple(body.stop_token_ids or ()),
                     ignore_eos=body.ignore_eos,
                     top_logprobs=top_logprobs,
+                    constraint=constraint,
                 )
             except InvalidArgumentError as exc:
                 raise invalid(str(exc), param=param_of_message(str(exc))) from None

@@ -1,11 +1,14 @@
 """The request bodies the server accepts, validated by pydantic, and their mapping to forklm.
 
 OpenAI's parameters keep OpenAI's meaning. Parameters OpenAI has but forklm does not implement
-(penalties, logit_bias, echo, suffix, tools, response formats) are accepted only at their
-neutral value, so a client that sends the default still works and one that relies on them gets a
-400 naming the parameter, not a silently different result. Unknown parameters are a 400, as in
-OpenAI's API. forklm's extensions: `top_k`, `min_tokens`, `stop_token_ids`, `ignore_eos`, and
-`rank` (choices de-duplicated by text and ordered by mean log-probability).
+(penalties, logit_bias, echo, suffix, tools) are accepted only at their neutral value, so a
+client that sends the default still works and one that relies on them gets a 400 naming the
+parameter, not a silently different result. Unknown parameters are a 400, as in OpenAI's API.
+forklm's extensions: `top_k`, `min_tokens`, `stop_token_ids`, `ignore_eos`, and `rank` (choices
+de-duplicated by text and ordered by mean log-probability). Constraints (`constraint_of`):
+OpenAI's `response_format` ({"type": "json_schema", "json_schema": {"schema": ...}} or
+{"type": "json_object"}) and vLLM's `guided_json`, `guided_regex`, `guided_grammar`,
+`guided_choice`, on chat and completions alike; at most one per request.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from forklm.errors import InvalidArgumentError
+from forklm.sampling.constraints import Constraint, make_constraint
 from forklm.sampling.params import MAX_TOP_LOGPROBS
 from forklm.server.errors import APIError, clip, invalid
 
@@ -65,6 +70,12 @@ class _Body(_NullMeansDefault):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's constraint extensions
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     # forklm extensions
     top_k: int = Field(0, ge=0)
     min_tokens: int = Field(0, ge=0)
@@ -106,7 +117,6 @@ class ChatBody(_Body):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -140,7 +150,8 @@ def _param_path(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]", "int", "float", "bool"):
+        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]", "int", "float", "bool",
+                      "dict[str,any]"):
             continue  # pydantic names the union member it tried; the parameter is what matters
         else:
             out += ("." if out else "") + str(part)
@@ -183,10 +194,52 @@ def _check_neutral(body: _Body) -> None:
             raise unsupported("tools")
         if body.tool_choice not in (None, "none"):
             raise unsupported("tool_choice")
-        if body.response_format not in (None, {"type": "text"}):
-            raise unsupported("response_format", "is not supported by forklm (only {'type': 'text'})")
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
     if body.rank and body.stream:
         raise invalid("rank needs every choice before ordering them and cannot be streamed", param="rank")
 
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
+
+
+def constraint_of(body: _Body) -> Constraint | None:
+    """The request's constraint, compiled once to check it; a 400 naming the parameter the client
+    used otherwise (at most one of response_format and the guided_* parameters)."""
+    given = [name for name in ("response_format", *GUIDED) if getattr(body, name) is not None]
+    if body.response_format == {"type": "text"}:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise invalid(f"only one constraint per request; got {' and '.join(given)}", param=given[1])
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        kind, arguments = _response_format(body.response_format)
+    else:
+        kind, arguments = GUIDED[name], {GUIDED[name]: getattr(body, name)}
+    try:
+        return make_constraint(**arguments)
+    except InvalidArgumentError as e:  # forklm names its own parameter first: name the client's
+        message = str(e)
+        if message.startswith(kind):
+            message = message[len(kind):]
+        raise invalid(f"{name}{message}", param=name) from None
+
+
+def _response_format(value: dict) -> tuple[str, dict]:
+    """OpenAI's response_format as make_constraint's arguments."""
+    kind = value.get("type")
+    if kind == "json_object" and set(value) == {"type"}:
+        return "json_object", {"json_object": True}
+    if kind == "json_schema" and set(value) <= {"type", "json_schema"}:
+        spec = value.get("json_schema")
+        if isinstance(spec, dict) and isinstance(spec.get("schema"), dict) \
+                and set(spec) <= {"name", "schema", "strict", "description"}:
+            return "json_schema", {"json_schema": spec["schema"]}
+        raise invalid("response_format.json_schema must be an object with a 'schema' object (and optionally "
+                      "'name', 'description', 'strict')", param="response_format")
+    raise invalid(f"response_format must be {{'type': 'text'}}, {{'type': 'json_object'}} or {{'type': "
+                  f"'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {clip(value)}",
+                  param="response_format")
