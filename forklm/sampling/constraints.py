@@ -6,7 +6,7 @@
 
 The grammar engine is llguidance (https://github.com/guidance-ai/llguidance): its tokenizer is
 bound from the model's Hugging Face `tokenizers` tokenizer (its JSON), so it sees exactly the
-model's vocabulary. Each step, `apply_token_masks` sets the logits of every token the grammar
+model's vocabulary. Each step, `masked_logits` sets the logits of every token the grammar
 does not allow next to -inf in the constrained rows, before temperature/top-k/top-p; end-of-
 sequence is allowed only where the grammar accepts. After the draw, the sample's matcher consumes
 the token (`check_finished`); once the grammar can take nothing more, the sample stops ("stop").
@@ -219,9 +219,10 @@ def token_constraints(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> TokenCo
     return TokenConstraints(tokenizer, eos_token_ids)
 
 
-def apply_token_masks(logits: torch.Tensor, rows: list[int], matchers: Sequence[SampleMatcher]) -> None:
-    """Sets to -inf, in place, the logits of tokens the grammar does not allow next, in each of
-    `rows` (matchers[i] for rows[i]); columns past the tokenizer's vocabulary are masked too."""
+def masked_logits(logits: torch.Tensor, rows: list[int], matchers: Sequence[SampleMatcher]) -> torch.Tensor:
+    """A copy of the logits in which each of `rows` (matchers[i] for rows[i]) keeps only the
+    tokens its grammar allows next, the others at -inf (also the columns past the tokenizer's
+    vocabulary); other rows are copied unchanged. One pass over the logits."""
     V = logits.shape[1]
     words = (matchers[0].vocab_size + 31) // 32
     bits = torch.zeros(len(rows), max(words, (V + 31) // 32), dtype=torch.int32)  # 0: not allowed
@@ -229,8 +230,10 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], matchers: Sequence[
         m.fill_mask(bits[i, :words])
     allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, count=V, bitorder="little")
     allowed = torch.from_numpy(allowed).view(torch.bool).to(logits.device, non_blocking=True)
-    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        logits[idx] = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if rows == list(range(logits.shape[0])):
+        return torch.where(allowed, logits, minus_inf)
+    out = logits.clone()
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    out[idx] = torch.where(allowed, logits.index_select(0, idx), minus_inf)
+    return out

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from forklm.outputs import Sample
-from forklm.sampling.constraints import SampleMatcher, apply_token_masks
+from forklm.sampling.constraints import SampleMatcher, masked_logits
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sampler import model_logprobs, sample_tokens
 from forklm.sampling.seeds import counter_uniforms
@@ -70,20 +70,16 @@ def draw_rows(
     A constrained row (its state has a matcher) draws only tokens its grammar allows; the
     log-probs recorded stay the model's own."""
     step_of = [len(s.token_ids) for s in states]
-    masked = logits
-    early = [r for r, t in enumerate(step_of) if t < params[r].min_tokens and stop_ids[r]]
     constrained = [r for r, s in enumerate(states) if s.matcher is not None]
-    if early or constrained:
+    masked = masked_logits(logits, constrained, [states[r].matcher for r in constrained]) if constrained else logits
+    early = [r for r, t in enumerate(step_of) if t < params[r].min_tokens and stop_ids[r]]
+    if early and masked is logits:
         masked = logits.clone()
     for r in early:
+        grammar_only = masked[r].clone() if states[r].matcher is not None else None
         masked[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=logits.device)] = float("-inf")
-    if constrained:
-        apply_token_masks(masked, constrained, [states[r].matcher for r in constrained])
-        for r in early:
-            if states[r].matcher is not None and bool(torch.isneginf(masked[r]).all()):
-                # min_tokens banned all the grammar allows (its end, or stop_token_ids): the grammar wins
-                masked[r] = logits[r]
-                apply_token_masks(masked, [r], [states[r].matcher])
+        if grammar_only is not None and bool(torch.isneginf(masked[r]).all()):
+            masked[r] = grammar_only  # min_tokens banned all the grammar allows (its end): the grammar wins
     u = counter_uniforms(seeds, [s.index for s in states], step_of)
     groups: dict[tuple, list[int]] = {}
     for r, p in enumerate(params):
