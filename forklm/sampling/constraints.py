@@ -170,10 +170,12 @@ class SampleMatcher:
         return self._matcher.is_stopped()
 
     def fill_mask(self, bitmask_row: torch.Tensor) -> None:
-        """Writes the allowed next tokens as bits into an int32 row (llguidance's layout)."""
+        """Writes the allowed next tokens as bits into an int32 row (llguidance's layout). A matcher
+        that failed (a grammar past llguidance's limits) allows everything here, so that the batch
+        draws on, and `consume` then fails its request alone."""
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * 4)
         if self._matcher.is_error():
-            raise ConstraintError(f"{self.constraint.describe()}: {_first_lines(self._matcher.get_error(), 300)}")
+            bitmask_row.fill_(-1)
 
 
 class TokenConstraints:
