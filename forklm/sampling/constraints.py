@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
 import numpy as np
 import torch
 
-from forklm.errors import InvalidArgumentError
+from forklm.errors import InvalidArgumentError, UnsupportedModelError
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CONSTRAINT_CHARS = 1 << 20  # a constraint's text at most (1 MiB): compiling is the user's cost
 COMPILED_CACHE_SIZE = 64  # start matchers kept per tokenizer, by constraint text
@@ -120,8 +120,6 @@ def _quote(value: Any) -> str:
 def compiled_grammar(constraint: Constraint) -> str:
     """llguidance's grammar for a constraint (cached by its text); InvalidArgumentError naming the
     parameter if llguidance cannot compile it."""
-    import llguidance
-
     try:
         if constraint.kind in ("json_schema", "json_object"):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(constraint.text, defaults=JSON_DEFAULTS)
@@ -183,14 +181,15 @@ class TokenConstraints:
     start matchers by constraint text; `matchers` hands each sample its own copy."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
-        import llguidance
-
-        self._llguidance = llguidance
         self.vocab_size = tokenizer.vocab_size
-        # the tokenizer's own JSON (vocabulary, merges, special tokens): llguidance reads it with
-        # the same Rust `tokenizers` library; every end-of-sequence id the engine stops on is one
-        self.lltokenizer = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size,
-                                                  eos_token=list(eos_token_ids))
+        # the tokenizer's own JSON (vocabulary, merges, special tokens; forklm's Tokenizer has no
+        # public accessor to its backend yet): llguidance reads it with the same Rust `tokenizers`
+        # library; every end-of-sequence id the engine stops on is one
+        try:
+            self.lltokenizer = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size,
+                                                      eos_token=list(eos_token_ids))
+        except Exception as e:  # noqa: BLE001 - llguidance's own error types
+            raise UnsupportedModelError(f"constraints: llguidance cannot read this model's tokenizer ({e})") from None
         self._starts: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -205,7 +204,7 @@ class TokenConstraints:
             if start is not None:
                 self._starts.move_to_end(constraint)
                 return start
-        start = self._llguidance.LLMatcher(self.lltokenizer, compiled_grammar(constraint), log_level=0)
+        start = llguidance.LLMatcher(self.lltokenizer, compiled_grammar(constraint), log_level=0)
         if start.is_error():
             raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_first_lines(start.get_error())}")
         with self._lock:
