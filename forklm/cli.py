@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--transformers-max-tokens", type=int, default=2048 * 64,
                    help="skip transformers where n * m_c exceeds this (it prefills and stores n prompt copies) "
                         "(default: 131072)")
+    b.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp's llama-batched-bench at the same points (same .gguf file, same threads, "
+                        "shared prompt, unified KV, flash attention off and on); build it with "
+                        "scripts/build_llama_cpp.sh or set $FORKLM_LLAMA_CPP_BIN")
     b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
     b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     from forklm.bench.serve_workload import build_parser as serve_parser

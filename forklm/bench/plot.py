@@ -3,7 +3,10 @@
 One column per run (a JSON from `forklm bench`, typically one per dtype):
   top:    per-step decode latency (ms) against context length, one colour per n;
           solid = with bifurcation (forklm-bifurcated), dashed = without (forklm-standard);
-  bottom: forklm-auto (solid) against transformers (dotted) and the docs/design.md floor (thin).
+  bottom: forklm-auto (solid) against transformers (dotted) and the docs/design.md floor (thin);
+          with `--llama-cpp`, llama.cpp dashed (squares: flash attention off, triangles: on).
+A run without forklm-standard / forklm-bifurcated rows (e.g. `--paths auto --llama-cpp`) gets generated
+tokens/s against n in the top panel instead, one colour per context length, styles as below.
 
 Run: `python -m forklm.bench.plot bench/results/sweep_cpu_float32.json bench/results/sweep_cpu_bfloat16.json
 --out bench/results/figure6_cpu.png`.
@@ -27,6 +30,41 @@ def _floor_series(points: list[dict], n: int) -> tuple[list[int], list[float]]:
     by_mc = {p["m_c"]: p["floor_ms"] for p in points if p["n"] == n and p.get("floor_ms")}
     xs = sorted(by_mc)
     return xs, [by_mc[x] for x in xs]
+
+
+# The bottom panel's implementations: (line style, marker, legend label).
+PEER_STYLES = {"forklm-auto": ("-", "o", "forklm auto"), "transformers": (":", "o", "transformers"),
+               "llama.cpp": ("--", "s", "llama.cpp"), "llama.cpp-fa": ("--", "^", "llama.cpp flash attn")}
+
+
+def _plot_tokens_per_s(ax, points: list[dict], plt) -> None:
+    """Generated tokens/s against n, one colour per context length, one style per implementation."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import NullLocator
+
+    contexts = sorted({p["m_c"] for p in points})
+    colours = {m: plt.cm.plasma(i / max(1, len(contexts) - 1) * 0.85) for i, m in enumerate(contexts)}
+    impls = [i for i in PEER_STYLES if any(p["impl"] == i for p in points)]
+    for impl in impls:
+        style, marker, _ = PEER_STYLES[impl]
+        for m_c in contexts:
+            rows = sorted((p for p in points if p["impl"] == impl and p["m_c"] == m_c and p.get("tokens_per_s")
+                           and not p.get("skipped")), key=lambda p: p["n"])
+            if rows:
+                ax.plot([p["n"] for p in rows], [p["tokens_per_s"] for p in rows], style, color=colours[m_c],
+                        marker=marker, markersize=3.5, linewidth=1.6)
+    ns = sorted({p["n"] for p in points})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ns)
+    ax.set_xticklabels([str(n) for n in ns])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("samples n")
+    ax.set_ylabel("generated tokens/s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(handles=[Line2D([], [], color=colours[m], label=f"m_c = {m}") for m in contexts]
+              + [Line2D([], [], color="k", ls=PEER_STYLES[i][0], marker=PEER_STYLES[i][1], label=PEER_STYLES[i][2])
+                 for i in impls], fontsize=8)
 
 
 def _title(meta: dict) -> str:
@@ -65,24 +103,33 @@ def plot_sweeps(docs: list[dict], path: str | Path) -> Path:
         top, bottom = axes[0][col], axes[1][col]
         for n in ns:
             c = colours[n]
-            for ax, impl, style in ((top, "forklm-bifurcated", "-"), (top, "forklm-standard", "--"),
-                                    (bottom, "forklm-auto", "-"), (bottom, "transformers", ":")):
+            lines = [(top, "forklm-bifurcated", "-", "o"), (top, "forklm-standard", "--", "o")]
+            lines += [(bottom, impl, style, marker) for impl, (style, marker, _) in PEER_STYLES.items()]
+            for ax, impl, style, marker in lines:
                 xs, ys = _series(points, impl, n)
                 if xs:
-                    ax.plot(xs, ys, style, color=c, marker="o", markersize=3.5, linewidth=1.6)
+                    ax.plot(xs, ys, style, color=c, marker=marker, markersize=3.5, linewidth=1.6)
             xs, ys = _floor_series(points, n)
             if xs:
                 bottom.plot(xs, ys, "-.", color=c, linewidth=0.8, alpha=0.6)
-        top.set_title("with (solid) / without (dashed) bifurcation\n" + _title(meta), fontsize=9)
-        bottom.set_title("forklm auto (solid), transformers (dotted), floor (dash-dot)", fontsize=9)
-        for ax in (top, bottom):
-            _style_axis(ax, contexts)
-        n_handles = [Line2D([], [], color=colours[n], marker="o", markersize=3.5, label=f"n = {n}") for n in ns]
-        top.legend(handles=n_handles + [Line2D([], [], color="k", ls="-", label="bifurcated"),
-                                        Line2D([], [], color="k", ls="--", label="standard")], fontsize=8)
-        bottom.legend(handles=n_handles + [Line2D([], [], color="k", ls="-", label="forklm auto"),
-                                           Line2D([], [], color="k", ls=":", label="transformers"),
-                                           Line2D([], [], color="k", ls="-.", lw=0.8, label="floor")], fontsize=8)
+        impls = {p["impl"] for p in points}
+        if impls & {"forklm-bifurcated", "forklm-standard"}:
+            top.set_title("with (solid) / without (dashed) bifurcation\n" + _title(meta), fontsize=9)
+            _style_axis(top, contexts)
+            top.legend(handles=[Line2D([], [], color=colours[n], marker="o", markersize=3.5, label=f"n = {n}")
+                                for n in ns] + [Line2D([], [], color="k", ls="-", label="bifurcated"),
+                                                Line2D([], [], color="k", ls="--", label="standard")], fontsize=8)
+        else:  # no bifurcation rows: the top panel shows generated tokens/s against n instead
+            top.set_title("generated tokens/s against n\n" + _title(meta), fontsize=9)
+            _plot_tokens_per_s(top, points, plt)
+        peers = [i for i in PEER_STYLES if i in impls]
+        bottom.set_title("per-step latency: " + ", ".join(PEER_STYLES[i][2] for i in peers) + ", floor", fontsize=9)
+        _style_axis(bottom, contexts)
+        bottom.legend(handles=[Line2D([], [], color=colours[n], marker="o", markersize=3.5, label=f"n = {n}")
+                               for n in ns]
+                      + [Line2D([], [], color="k", ls=PEER_STYLES[i][0], marker=PEER_STYLES[i][1],
+                                label=PEER_STYLES[i][2]) for i in peers]
+                      + [Line2D([], [], color="k", ls="-.", lw=0.8, label="floor")], fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

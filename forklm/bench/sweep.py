@@ -10,6 +10,10 @@ prints a markdown table.
 
 transformers is timed per step too (see TransformersRunner): one `generate` call per point, whose
 prefill runs over n copies of the prompt and whose KV cache holds n copies.
+
+With --llama-cpp (a .gguf model only), llama.cpp's llama-batched-bench runs at the same points after
+forklm's at each m_c, flash attention off and on (rows "llama.cpp", "llama.cpp-fa"; see
+`forklm/bench/llama_cpp.py`).
 """
 
 from __future__ import annotations
@@ -302,6 +306,7 @@ class SweepConfig:
     transformers_max_n: int
     transformers_max_tokens: int
     repeats: int = 1  # every implementation runs this many times per point, interleaved; the fastest counts
+    llama_cpp: bool = False  # llama.cpp's llama-batched-bench at the same points (GGUF models only)
 
 
 def _point(m_c: int, n: int, impl: str, measured: Measured | None, floor: Any, skipped: str | None) -> dict:
@@ -341,13 +346,13 @@ def _transformers_skip_reason(cfg: SweepConfig, m_c: int, n: int, hf: Transforme
 
 
 def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRunner | None,
-              hf_error: str | None, progress: Any) -> list[dict]:
+              hf_error: str | None, progress: Any, llama_cpp: Any = None) -> list[dict]:
     """All points, m_c outer, n inner, implementations innermost. Failing points are recorded as skipped.
 
     With cfg.repeats > 1 every implementation (transformers included) runs round-robin (standard,
     bifurcated, auto, single-request, transformers, standard, ...), so a slow spell of a shared
     machine hits every one alike, and each reports its fastest run (its other runs' median steps
-    are kept as step_ms_repeats).
+    are kept as step_ms_repeats). `llama_cpp` (a LlamaCppPeer) runs every n of an m_c after forklm's.
     """
     forklm = ForkLMRunner(llm)
     e = torch.finfo(llm.dtype).bits // 8
@@ -394,14 +399,16 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
                     if len(runs[impl]) > 1:
                         measured.extra["step_ms_repeats"] = [m.step_s * 1e3 for m in runs[impl]]
                 points.append(_point(m_c, n, impl, measured, floor, skips[impl]))
+        if llama_cpp is not None:
+            points.extend(llama_cpp.run_context(m_c, cfg.ns, cfg.new_tokens, cfg.repeats, progress))
     return points
 
 
 # ---------------------------------------------------------------------- output
 def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: Ceilings,
-               hf_version: str | None, hf_error: str | None) -> dict:
+               hf_version: str | None, hf_error: str | None, llama_cpp: Any = None) -> dict:
     dev = llm.device
-    return {
+    meta = {
         "machine": platform.machine(),
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
@@ -427,6 +434,9 @@ def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: C
         "floor_model": "max(bytes / bandwidth, FLOPs / matmul peak); bytes = weights + bifurcated KV read, "
                        "m_d = new_tokens / 2 (floor_naive_ms: naive KV read)",
     }
+    if llama_cpp is not None:
+        meta["llama_cpp"] = llama_cpp.meta(dtype_name(llm.dtype))
+    return meta
 
 
 def _cell(row: dict | None) -> str:
@@ -447,8 +457,10 @@ def markdown_table(doc: dict) -> str:
     impls = list(dict.fromkeys(p["impl"] for p in points))
     by_key = {(p["m_c"], p["n"], p["impl"]): p for p in points}
     keys = list(dict.fromkeys((p["m_c"], p["n"]) for p in points))
+    llama_impls = [i for i in impls if i.startswith("llama.cpp")]
     head = ["m_c", "n"] + [f"{i} ms / tok/s" for i in impls] + ["floor ms", "standard/bifurcated step",
                                                                  "transformers/auto e2e"]
+    head += ["auto/best llama.cpp tok/s"] if llama_impls else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m_c, n in keys:
         rows = {i: by_key.get((m_c, n, i)) for i in impls}
@@ -463,6 +475,9 @@ def markdown_table(doc: dict) -> str:
             _ratio(get("forklm-standard", "step_ms_median"), get("forklm-bifurcated", "step_ms_median")),
             _ratio(get(HF_IMPL, "e2e_s"), get("forklm-auto", "e2e_s")),
         ]
+        if llama_impls:
+            best = max((get(i, "tokens_per_s") or 0 for i in llama_impls), default=0)
+            cells.append(_ratio(get("forklm-auto", "tokens_per_s"), best))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -514,12 +529,13 @@ def sweep_config(args: argparse.Namespace) -> SweepConfig:
         transformers_max_n=int(args.transformers_max_n),
         transformers_max_tokens=int(getattr(args, "transformers_max_tokens", 2048 * 64)),
         repeats=int(getattr(args, "repeats", 1)),
+        llama_cpp=bool(getattr(args, "llama_cpp", False)),
     )
     if cfg.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {cfg.repeats}")
     if cfg.new_tokens < 2:
         raise ValueError(f"--new-tokens must be at least 2 (a decode step needs a second token), got {cfg.new_tokens}")
-    if not cfg.paths and not cfg.transformers:
+    if not cfg.paths and not cfg.transformers and not cfg.llama_cpp:
         raise ValueError("nothing to time: --paths is empty and --no-transformers is set")
     return cfg
 
@@ -542,9 +558,23 @@ def run_from_args(args: argparse.Namespace) -> int:
     from forklm import LLM
 
     cfg = sweep_config(args)
+    llama_binary = None
+    if cfg.llama_cpp:
+        from forklm.bench.llama_cpp import find_binary
+
+        llama_binary = find_binary()  # before anything slow: a missing binary is a clear error
     _note(f"loading {args.model} (dtype {args.dtype}, device {args.device})")
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     dtype = dtype_name(llm.dtype)
+    llama_cpp = None
+    if cfg.llama_cpp:
+        from forklm.bench.llama_cpp import LlamaCppPeer
+
+        if Path(str(llm.source)).suffix.lower() != ".gguf":
+            raise ValueError(f"--llama-cpp needs a .gguf model (llama.cpp reads only GGUF files); {args.model} "
+                             f"resolves to {llm.source}")
+        llama_cpp = LlamaCppPeer(llama_binary, Path(llm.source), torch.get_num_threads())
+        _note(f"llama.cpp peer: {llama_binary}, {llama_cpp.threads} threads; forklm runs the GGUF dequantized to {dtype}")
     out = Path(args.out or f"bench/results/sweep_{llm.device.type}_{dtype}.json")
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
 
@@ -573,13 +603,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         hf.warm_up(warm)
 
     impls = (len(cfg.paths) + int(cfg.transformers)) * cfg.repeats
-    progress = _progress(len(cfg.contexts) * len(cfg.ns) * impls)
+    llama_runs = 2 * cfg.repeats if llama_cpp else 0  # one invocation per m_c and flash-attention setting
+    progress = _progress(len(cfg.contexts) * (len(cfg.ns) * impls + llama_runs))
     try:
-        points = run_sweep(llm, cfg, ceilings, hf, hf_error, progress)
+        points = run_sweep(llm, cfg, ceilings, hf, hf_error, progress, llama_cpp)
     finally:
         progress.close()
 
-    doc = {"meta": build_meta(args, llm, cfg, ceilings, hf_version, hf_error), "points": points}
+    doc = {"meta": build_meta(args, llm, cfg, ceilings, hf_version, hf_error, llama_cpp), "points": points}
     write_json(doc, out)
     _note(f"wrote {out}")
     try:
@@ -591,6 +622,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         _note(f"no plot ({e}); pip install matplotlib")
     print(f"\n{llm.config.num_parameters() / 1e6:.0f}M parameters, {dtype} on {llm.device.type}, "
           f"{cfg.new_tokens} new tokens; cells: median step ms / generated tok/s\n")
+    if llama_cpp:
+        print(f"llama.cpp: the same GGUF as stored (quantized), {llama_cpp.threads} threads, shared prompt, unified KV; "
+              f"its step ms is a mean (decode_s / new_tokens)\n")
     print(markdown_table(doc))
     if all(p.get("skipped") for p in points):
         _note("every point was skipped")

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-batched-bench` (the peer of `forklm bench --llama-cpp`) from the sources
+# vendored in the pinned llama-cpp-python sdist, into .cache/llama.cpp/ (ignored by git).
+# CPU only: Release, -march=native (GGML_NATIVE), no CUDA, no curl/OpenSSL, static libraries.
+# Idempotent: does nothing when the binary exists. Prints the binary's path on stdout.
+# Takes 10+ minutes on 2 cores; time-sensitive machines: `flock /tmp/forklm_bench.lock scripts/build_llama_cpp.sh`.
+#
+#   LLAMA_CPP_PYTHON_VERSION  the sdist to build from (default 0.3.36)
+#   FORKLM_LLAMA_CPP_DIR      where to build (default .cache/llama.cpp under the repo)
+#   JOBS                      parallel compile jobs (default: the number of CPUs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+ROOT=${FORKLM_LLAMA_CPP_DIR:-$PWD/.cache/llama.cpp}
+PY=${PYTHON:-$PWD/.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+SRC="$ROOT/llama_cpp_python-$VERSION"
+BUILD="$ROOT/build-$VERSION"
+BIN="$BUILD/bin/llama-batched-bench"
+
+if [ -x "$BIN" ]; then
+    echo "$BIN"
+    exit 0
+fi
+
+mkdir -p "$ROOT"
+if [ ! -d "$SRC/vendor/llama.cpp" ]; then
+    echo "downloading the llama-cpp-python $VERSION sdist" >&2
+    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$ROOT" >&2
+    tar -xzf "$ROOT/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT"
+fi
+
+# The sdist carries no git history; its CHANGELOG names the llama.cpp commit of this release.
+COMMIT=$(awk -v v="## [$VERSION]" '$0 == v {s = 1; next} s && /^## \[/ {exit}
+    s && match($0, /llama\.cpp@[0-9a-f]+/) {print substr($0, RSTART + 10, RLENGTH - 10); exit}' "$SRC/CHANGELOG.md")
+
+# llama.cpp's CMake asks git for its commit; the sources sit inside forklm's work tree, so stop git
+# from finding forklm's repository (its commit would be recorded as llama.cpp's).
+export GIT_CEILING_DIRECTORIES="$ROOT"
+echo "configuring llama.cpp ${COMMIT:-unknown} in $BUILD" >&2
+nice cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=ON \
+    -DGGML_CUDA=OFF \
+    -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_TOOLS=ON \
+    ${COMMIT:+-DLLAMA_BUILD_COMMIT="$COMMIT"} >&2
+echo "building llama-batched-bench (10+ minutes on 2 cores)" >&2
+nice cmake --build "$BUILD" --target llama-batched-bench -j "${JOBS:-$(nproc)}" >&2
+echo "$BIN"
