@@ -43,6 +43,7 @@ class Request:
     regex: str | None = None  # a regular expression the whole text matches
     grammar: str | None = None  # a Lark grammar (llguidance's dialect; GBNF too)
     choice: Sequence[str] | None = None  # the text is one of these strings
+    jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
 
     @classmethod
     def from_any(cls, spec: Any, position: int = 0) -> "Request":
@@ -73,6 +74,7 @@ class Request:
             top_logprobs=self.top_logprobs,
             constraint=make_constraint(json_schema=self.json_schema, regex=self.regex, grammar=self.grammar,
                                        choice=self.choice),
+            jump_forward=self.jump_forward,
         )
 
 
@@ -162,6 +164,7 @@ class LLM:
         regex: str | None = None,
         grammar: str | None = None,
         choice: Sequence[str] | None = None,
+        jump_forward: bool = True,
     ) -> SampleOutput:
         """Draws n samples of one prompt on the engine: the prompt is prefilled once (or found in
         the prefix cache), its KV shared by the n samples and read once per decode step.
@@ -171,9 +174,11 @@ class LLM:
 
         json_schema / regex / grammar / choice: at most one; every sample's text then matches it
         (a sample whose constraint is complete ends with finish_reason "stop").
+        jump_forward: a run of tokens the constraint forces is appended in one step (README,
+        "Constrained decoding"); False draws every token through the mask.
         """
         req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos,
-                      top_logprobs, json_schema, regex, grammar, choice)
+                      top_logprobs, json_schema, regex, grammar, choice, jump_forward)
         params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
         engine = self.default_engine() if attention == "auto" else self._engine_for(attention)

@@ -36,8 +36,10 @@ SUM_GBNF = 'root ::= "(" num (" + " num)? ")"\nnum ::= [1-9] [0-9] [0-9]?'
 SUM_RE = r"\([1-9][0-9]{1,2}( \+ [1-9][0-9]{1,2})?\)"
 
 
-def test_64_samples_validate_against_a_nested_schema(smollm2_f32):
-    out = smollm2_f32.sample(PET_PROMPT, n=64, max_tokens=80, temperature=1.0, seed=5, json_schema=PET_SCHEMA)
+@pytest.mark.parametrize("jump_forward", [True, False], ids=["jump-forward", "masks-only"])
+def test_64_samples_validate_against_a_nested_schema(smollm2_f32, jump_forward):
+    out = smollm2_f32.sample(PET_PROMPT, n=64, max_tokens=80, temperature=1.0, seed=5, json_schema=PET_SCHEMA,
+                             jump_forward=jump_forward)
     for s in out.samples:
         assert s.finish_reason == "stop" and s.stop_reason is None, s
         jsonschema.validate(json.loads(s.text), PET_SCHEMA)
@@ -75,8 +77,9 @@ def test_json_object_and_schema_as_text(smollm2_f32):
 
 
 def test_engine_equals_reference_path_and_logprobs_are_the_models(smollm2_f32):
+    # masks only (jump_forward=False): the engine draws every token, as the reference path does
     llm = smollm2_f32
-    spec = dict(n=6, max_tokens=40, temperature=0.9, seed=10, json_schema=PET_SCHEMA, top_logprobs=2)
+    spec = dict(n=6, max_tokens=40, temperature=0.9, seed=10, json_schema=PET_SCHEMA, top_logprobs=2, jump_forward=False)
     out = llm.sample(PET_PROMPT, **spec)
     ref = sample_single_request(llm, PET_PROMPT, **spec)
     for a, b in zip(out.samples, ref.samples):
@@ -103,7 +106,8 @@ def test_constrained_and_unconstrained_in_one_batch(smollm2_f32):
 def test_matchers_survive_preemption_and_waves(smollm2_f32):
     llm = smollm2_f32
     # 40 digits (one token each): 12 samples x 3 blocks cannot all run in 40 blocks
-    specs = [dict(prompt="Forty digits: ", n=12, max_tokens=40, temperature=1.0, seed=13, regex="[0-9]{40}"),
+    specs = [dict(prompt="Forty digits: ", n=12, max_tokens=40, temperature=1.0, seed=13, regex="[0-9]{40}",
+                  jump_forward=False),
              dict(prompt="Numbers: ", n=6, max_tokens=30, temperature=0.9, seed=14, ignore_eos=True)]
     engine = llm.engine(num_blocks=40, block_size=16)
     states = [engine.add_request(llm.prompt_token_ids(s["prompt"]), Request.from_any(s).params()) for s in specs]

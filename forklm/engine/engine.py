@@ -224,11 +224,13 @@ class Engine:
         if batch.empty:
             return finished
         self.metrics.steps += 1
+        self.output.prepare(batch)  # grammar masks on a worker thread while the model runs
         try:
             out = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - the forward failed: this step's requests fail
+            self.output.wait()
             return finished + self._fail_requests({id(r): (r, exc) for r in batch.requests()})
-        self.metrics.computed_tokens += len(batch.decode) + sum(s1 - s0 for _, s0, s1 in batch.chunks)
+        self.metrics.computed_tokens += out.num_tokens
         self.metrics.shared_reads += out.shared_reads
         result = self.output.process(batch, out)
         return finished + self._apply(result)

@@ -118,7 +118,7 @@ class KVManager:
         seqs = []
         for i, st in enumerate(fresh):
             self.pool.incref(shared)
-            seqs.append(Sequence(req, req.prompt_ids + st.token_ids, shared + run[i * k : (i + 1) * k], P, st))
+            seqs.append(Sequence(req, req.prompt_ids + st.token_ids + st.ahead, shared + run[i * k : (i + 1) * k], P, st))
         if rem:  # each sample's copy of the prompt's partial last block
             src = req.prompt_blocks[full] * bs
             self.kv.copy_slots(
@@ -135,7 +135,7 @@ class KVManager:
         bs = self.block_size
         P = len(req.prompt_ids)
         full, rem = divmod(P, bs)
-        tokens = req.prompt_ids + st.token_ids
+        tokens = req.prompt_ids + st.token_ids + st.ahead  # known tokens (jump-forward) are computed too
         if req.params.n == 1:
             table = list(req.prompt_blocks)
             need = -(-len(tokens) // bs) - len(table)
@@ -163,19 +163,30 @@ class KVManager:
     def ensure_slot(self, seq: Sequence, margin: int) -> bool:
         """Gives `seq` a slot for its next token (a lane ahead while blocks are plentiful, else one
         block, extending its last run in place where it can); False if no block can be had."""
-        if seq.num_computed < len(seq.block_table) * self.block_size:
+        return self.ensure_slots(seq, 1, margin)
+
+    def ensure_slots(self, seq: Sequence, count: int, margin: int) -> bool:
+        """Slots for `seq`'s next `count` tokens (a multi-token extend: jump-forward, later draft
+        verification): a lane ahead that covers them while blocks are plentiful, else block by
+        block. False if they cannot all be had (blocks taken stay in the table; preemption or the
+        sequence's release returns them)."""
+        bs = self.block_size
+        end = seq.num_computed + count
+        have = len(seq.block_table) * bs
+        if end <= have:
             return True
-        ahead = self.lane_blocks(seq.request, seq.num_computed, seq.num_computed + 1, 1, margin)
+        ahead = self.lane_blocks(seq.request, have, end, 1, margin)
         if ahead > 1:
             blocks = self.pool.allocate_at(seq.block_table[-1] + 1, ahead) or self.pool.allocate_run(ahead)
             if blocks is not None:
                 seq.block_table.extend(blocks)
                 return True
-        last = seq.block_table[-1] if seq.block_table else -2
-        blocks = self.pool.allocate_at(last + 1, 1) or self.allocate(1)
-        if blocks is None:
-            return False
-        seq.block_table.extend(blocks)
+        while len(seq.block_table) * bs < end:
+            last = seq.block_table[-1] if seq.block_table else -2
+            blocks = self.pool.allocate_at(last + 1, 1) or self.allocate(1)
+            if blocks is None:
+                return False
+            seq.block_table.extend(blocks)
         return True
 
     # ------------------------------------------------------------------ the prefix cache

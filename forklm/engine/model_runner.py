@@ -1,7 +1,15 @@
 """The model runner: builds one step's input tensors and attention plan, runs the model.
 
-Rows of the forward are `[decode rows | chunk 0 | chunk 1 | ...]`; logits are computed only for
-the rows whose token is a sequence's last (decode rows, and chunks that end a sequence).
+Rows of the forward are `[decode rows | extend rows | chunk 0 | chunk 1 | ...]`; logits are
+computed for the rows whose token is a sequence's last (decode rows, and chunks that end a
+sequence) and for every row of an extend.
+
+A multi-token extend (a running sequence computes its k pending tokens in one step: a run its
+grammar forces, later a draft to verify) is k decode rows of the attention plan at consecutive
+positions of the same block table: each row attends to the sequence's tokens up to its own
+position (causal among the k, their K/V written before any is read), and the planner reads the
+shared prompt blocks once for all rows that list them, the k included. Its logits rows are
+consecutive, the last one at `row_of_seq`.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ class StepOutput:
     logits: torch.Tensor  # [rows with logits, V] float32
     row_of_seq: dict[int, int]  # id(sequence) -> its logits row
     shared_reads: int  # shared-segment reads done once for several rows (bifurcated)
+    num_tokens: int = 0  # tokens run through the model
 
 
 class ModelRunner:
@@ -39,6 +48,16 @@ class ModelRunner:
         logits_rows = list(range(len(decode)))
         row_of_seq = {id(seq): i for i, seq in enumerate(decode)}
         decode_rows = [DecodeRow(seq.block_table, t, len(seq.request.prompt_ids) // bs, seq) for seq, t in zip(decode, pos)]
+        for seq in batch.extend:
+            t0, t1 = seq.num_computed, len(seq.tokens)
+            first = len(ids)
+            ids.extend(seq.tokens[t0:t1])
+            pos.extend(range(t0, t1))
+            shareable = len(seq.request.prompt_ids) // bs
+            # only the last row keeps the sequence's key (the planner caches one tail per key)
+            decode_rows.extend(DecodeRow(seq.block_table, t, shareable, seq if t == t1 - 1 else None) for t in range(t0, t1))
+            logits_rows.extend(range(first, first + t1 - t0))
+            row_of_seq[id(seq)] = len(logits_rows) - 1
         for seq, s0, s1 in batch.chunks:
             ids.extend(seq.tokens[s0:s1])
             pos.extend(range(s0, s1))
@@ -56,7 +75,9 @@ class ModelRunner:
             seq.num_computed = s1
         for seq in batch.decode:
             seq.num_computed += 1
-        return StepOutput(logits, row_of_seq, plan.num_shared_reads)
+        for seq in batch.extend:
+            seq.num_computed = len(seq.tokens)
+        return StepOutput(logits, row_of_seq, plan.num_shared_reads, len(ids))
 
     def forget(self, seq) -> None:
         self.planner.forget(seq)

@@ -4,8 +4,16 @@ It reads the step's logits, draws every sample's next token in one batched draw 
 their sampling parameters, each row's randomness from (seed, sample, position): the same token
 whatever the batch), applies the stop rules (`sampling/sample_state.py`), and emits one
 `TokenEvent` per new token. A constrained request's samples get their grammar matchers here, at
-their first draw (`sampling/constraints.py`, bound to the engine's tokenizer). It never touches blocks: it reports which prompts completed, which
-sequences finished and which requests failed, and the engine hands those to the KV manager.
+their first draw (`sampling/constraints.py`, bound to the engine's tokenizer); the masks of the
+rows that will draw are computed on a worker thread while the model runs (`prepare`). It never
+touches blocks: it reports which prompts completed, which sequences finished and which requests
+failed, and the engine hands those to the KV manager.
+
+Jump-forward: after a constrained sample's drawn token, the run its grammar forces next becomes
+the sample's known tokens (`SampleState.ahead`, consumed by its matcher) and joins its sequence;
+the scheduler extends the sequence by the drawn token and the whole run in the next step, whose
+logits give each known token its log-prob (the row before it) before it becomes a sample token,
+with the stop rules and an event each, and the row of the run's last token gives the next draw.
 
 Failures are isolated per request: a stop check or final decode that raises (e.g. a tokenizer
 that cannot decode an id) fails that request only; a failing batched draw fails the requests of
@@ -24,8 +32,17 @@ from forklm.engine.model_runner import StepOutput
 from forklm.engine.request import RequestState, Sequence, TokenEvent
 from forklm.engine.scheduler import ScheduledBatch
 from forklm.errors import InvalidArgumentError
-from forklm.sampling.constraints import token_constraints
-from forklm.sampling.sample_state import SampleState, check_finished, draw_rows, stop_token_set, to_sample
+from forklm.sampling.constraints import MaskWorker, token_constraints
+from forklm.sampling.sample_state import (
+    SampleState,
+    accept_ahead,
+    check_finished,
+    draw_rows,
+    jump_forward,
+    stop_token_set,
+    to_sample,
+)
+from forklm.sampling.sampler import model_logprobs
 from forklm.tokenizer import Tokenizer
 
 
@@ -48,8 +65,25 @@ class OutputProcessor:
         # the engine is handed its tokenizer's bound `decode`; constraints need that vocabulary
         tokenizer = getattr(decode, "__self__", None)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else None
+        self.masks = MaskWorker()
+
+    def prepare(self, batch: ScheduledBatch) -> None:
+        """Starts computing the grammar masks of the constrained rows that will draw this step (on
+        a worker thread, while the forward runs; `process` waits for them)."""
+        matchers = []
+        for seq in batch.decode + batch.extend:
+            m = seq.sample.matcher if seq.sample is not None else None
+            if m is not None:
+                matchers.append(m)
+        if matchers:
+            self.masks.start(matchers)
+
+    def wait(self) -> None:
+        """Waits for masks started by `prepare` (before anything else touches the matchers)."""
+        self.masks.wait()
 
     def process(self, batch: ScheduledBatch, out: StepOutput) -> StepResult:
+        self.masks.wait()
         result = StepResult()
         row_of_seq = out.row_of_seq
         dec = batch.decode
@@ -85,6 +119,16 @@ class OutputProcessor:
                 states.append(seq.sample)
                 seqs.append(seq)
                 owner.append(req)
+        if batch.extend:
+            for seq in batch.extend:
+                touched[id(seq.request)] = seq.request
+            result.touched = list(touched.values())
+            _, drawing = self._accept_known(batch.extend, out, result)
+            for seq in drawing:
+                rows.append(row_of_seq[id(seq)])
+                states.append(seq.sample)
+                seqs.append(seq)
+                owner.append(seq.request)
         result.touched = list(touched.values())
         if not states:
             return result
@@ -127,13 +171,75 @@ class OutputProcessor:
                 result.sample_ended[id(r)] = r
                 if seq is not None:
                     result.finished_seqs.append(seq)
-            elif seq is not None:
-                seq.tokens.append(st.token_ids[-1])
+            else:
+                try:
+                    run = jump_forward(st, r.params)  # the grammar's forced run, computed next step
+                except Exception as exc:  # noqa: BLE001 - a matcher failure: this request fails
+                    result.fail(r, exc)
+                    continue
+                if seq is not None:
+                    seq.tokens.append(st.token_ids[-1])
+                    if run:
+                        seq.tokens.extend(run)
             if r.on_event is not None:
                 emit(r, TokenEvent(r.request_id, st.index, st.token_ids[-1], st.logprobs[-1],
                                    st.finish_reason if fin else None,
                                    st.top_logprobs[-1] if st.top_logprobs else None, sample))
         return result
+
+    def _accept_known(self, extend: list[Sequence], out: StepOutput, result: StepResult) -> tuple[int, list[Sequence]]:
+        """The known tokens of the step's extends become sample tokens, each with its log-prob
+        from the row before it, the stop rules and an event; returns how many became tokens and
+        the sequences that go on to draw from their last row (those that did not end)."""
+        rows: list[int] = []
+        toks: list[int] = []
+        for seq in extend:
+            ahead = seq.sample.ahead
+            last = out.row_of_seq[id(seq)]
+            rows.extend(range(last - len(ahead), last))
+            toks.extend(ahead)
+        dev = out.logits.device
+        picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
+        lps = model_logprobs(picked, torch.tensor(toks, dtype=torch.long, device=dev)).tolist()
+        top: list | None = None
+        if any(seq.request.params.top_logprobs for seq in extend):
+            k = max(seq.request.params.top_logprobs for seq in extend)
+            values, ids = torch.topk(picked, k, dim=-1)
+            values = values - torch.logsumexp(picked, dim=-1, keepdim=True)
+            top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        drawing, accepted, at = [], 0, 0
+        failed = result.failed
+        for seq in extend:
+            st, r = seq.sample, seq.request
+            span = range(at, at + len(st.ahead))
+            at += len(st.ahead)
+            if failed and id(r) in failed:
+                continue
+            kt = r.params.top_logprobs
+            fin = False
+            try:
+                for j in span:
+                    accept_ahead(st, lps[j], top[j][:kt] if kt else None)
+                    accepted += 1
+                    r.stats.generated_tokens += 1
+                    fin = check_finished(st, r.params, r.stop_ids, self.decode, forced=True)
+                    sample = to_sample(st, self.decode) if fin else None
+                    if r.on_event is not None:
+                        emit(r, TokenEvent(r.request_id, st.index, st.token_ids[-1], st.logprobs[-1],
+                                           st.finish_reason if fin else None,
+                                           st.top_logprobs[-1] if kt else None, sample))
+                    if fin:
+                        break
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: this request fails
+                result.fail(r, exc)
+                continue
+            if fin:
+                st.ahead = []
+                result.sample_ended[id(r)] = r
+                result.finished_seqs.append(seq)
+            else:
+                drawing.append(seq)
+        return accepted, drawing
 
     def _start_matchers(self, req: RequestState) -> None:
         """Gives each sample of a constrained request its own matcher (at its first draw)."""

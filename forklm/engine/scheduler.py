@@ -2,7 +2,10 @@
 
 Each step (`schedule`), oldest request first:
   (a) every running sample with one pending token decodes; it gets a slot for its token from
-      the KV manager, preempting the youngest work if blocks run out;
+      the KV manager, preempting the youngest work if blocks run out; a sample whose pending
+      tokens are its last drawn one and a run of known ones after it (`SampleState.ahead`: a run
+      its grammar forces, jump-forward) *extends* by all of them in one step, as several query
+      rows of the decode step (`ScheduledBatch.extend`), with slots for all of them;
   (b) prompts being prefilled and samples being recomputed take prompt chunks from the token
       budget (`max_batch_tokens`, chunked prefill);
   (c) samples waiting for blocks or a decode row (waves of a large n, preempted samples) start,
@@ -29,15 +32,19 @@ from forklm.engine.request import RequestState, Sequence, Status
 @dataclass
 class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)  # one new token each
+    # Multi-token extends: every pending token of each (its last drawn token and the known tokens
+    # after it) in this step, as decode rows (causal among themselves, shared prompt blocks read
+    # once with the other rows), with logits at every one of them.
+    extend: list[Sequence] = field(default_factory=list)
     chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)  # tokens [s0, s1) of a sequence
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.chunks
+        return not self.decode and not self.chunks and not self.extend
 
     def requests(self) -> list[RequestState]:
         seen: dict[int, RequestState] = {}
-        for seq in self.decode + [c[0] for c in self.chunks]:
+        for seq in self.decode + self.extend + [c[0] for c in self.chunks]:
             seen.setdefault(id(seq.request), seq.request)
         return list(seen.values())
 
@@ -79,6 +86,15 @@ class Scheduler:
                 more.append(req.prompt_seq)
             for seq in list(req.running):
                 pending = len(seq.tokens) - seq.num_computed
+                ahead = seq.sample.ahead
+                if ahead and pending == len(ahead) + 1:  # a known run after the drawn token: one extend
+                    if metrics.preempted_samples != preemptions and seq not in req.running:
+                        continue
+                    if self._ensure_slot(seq, scheduled, pending):
+                        batch.extend.append(seq)
+                        scheduled.add(id(seq))
+                        budget -= pending
+                    continue
                 if pending > 1:
                     more.append(seq)
                 if pending != 1:
@@ -93,7 +109,15 @@ class Scheduler:
 
         def add_chunk(seq: Sequence) -> None:
             nonlocal budget
-            take = min(seq.num_pending, max(budget, 0))
+            pending = seq.num_pending
+            known = len(seq.sample.ahead) + 1 if seq.sample is not None and seq.sample.ahead else 0
+            if known and pending == known:  # only the known run is left: it extends (next step if no room)
+                if budget > 0 and self.kv.ensure_slots(seq, known, self.margin()):
+                    batch.extend.append(seq)
+                    scheduled.add(id(seq))
+                    budget -= known
+                return
+            take = min(pending - known, max(budget, 0))  # a recompute stops short of a known run
             if take <= 0:
                 return
             if take == 1 and seq.num_pending == 1:
@@ -208,14 +232,15 @@ class Scheduler:
         if req.pending:
             bs = self.kv.block_size
             P = len(req.prompt_ids)
-            return -(-(P + len(req.pending[0].token_ids)) // bs) - P // bs
+            st = req.pending[0]
+            return -(-(P + len(st.token_ids) + len(st.ahead)) // bs) - P // bs
         return 0
 
     # ------------------------------------------------------------------ preemption
-    def _ensure_slot(self, seq: Sequence, scheduled: set[int]) -> bool:
-        """A slot for `seq`'s next token, preempting younger work if needed; False if `seq`
-        itself had to be preempted."""
-        while not self.kv.ensure_slot(seq, self.margin()):
+    def _ensure_slot(self, seq: Sequence, scheduled: set[int], count: int = 1) -> bool:
+        """Slots for `seq`'s next `count` tokens, preempting younger work if needed; False if
+        `seq` itself had to be preempted."""
+        while not self.kv.ensure_slots(seq, count, self.margin()):
             if not self._preempt_one(seq, scheduled):
                 self.preempt_sample(seq)
                 return False

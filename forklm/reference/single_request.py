@@ -36,6 +36,9 @@ def generate_single_request(
 ) -> SampleOutput:
     if params.constraint is not None and constraints is None:
         raise InvalidArgumentError(f"{params.constraint.param}: pass the tokenizer's TokenConstraints to constrain text")
+    if params.constraint is not None and params.jump_forward:
+        raise InvalidArgumentError("jump_forward: the reference path draws every token through the mask; "
+                                   "pass jump_forward=False")
     cfg = model.config
     device = model.device
     n, m_c = params.n, len(prompt_ids)

@@ -21,8 +21,10 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,30 +152,102 @@ class SampleMatcher:
     """One sample's position in its grammar (llguidance's LLMatcher); survives preemption, as it
     lives with the sample's tokens, not with its KV."""
 
-    __slots__ = ("_matcher", "constraint", "vocab_size")
+    __slots__ = ("_matcher", "_prepared", "constraint", "consumed", "vocab_size")
 
     def __init__(self, matcher: Any, constraint: Constraint, vocab_size: int) -> None:
         self._matcher = matcher
         self.constraint = constraint
         self.vocab_size = vocab_size  # the tokenizer's: a mask row has (vocab_size + 31) // 32 words
+        self.consumed = 0  # tokens consumed so far (a prepared mask is valid only at its count)
+        self._prepared: tuple[int, torch.Tensor] | None = None  # (consumed, mask row) from `prepare_mask`
 
     def consume(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
             raise ConstraintError(f"{self.constraint.describe()}: the grammar refused token {token_id}: "
                                   f"{_first_lines(self._matcher.get_error(), 300)}")
+        self.consumed += 1
+
+    def take_forced(self, limit: int) -> list[int]:
+        """Jump-forward: the tokens the grammar forces from here (llguidance's fast-forward tokens:
+        the forced text in the tokenizer's canonical split, less any tail that could merge with
+        the text after it), at most `limit` of them, consumed. Empty when the next token is free."""
+        if limit <= 0 or self._matcher.is_stopped():
+            return []
+        forced = self._matcher.compute_ff_tokens()[:limit]
+        if forced and not self._matcher.consume_tokens(forced):
+            raise ConstraintError(f"{self.constraint.describe()}: the grammar refused its own forced tokens "
+                                  f"{forced}: {_first_lines(self._matcher.get_error(), 300)}")
+        self.consumed += len(forced)
+        return forced
 
     @property
     def finished(self) -> bool:
         """Whether the grammar takes no more text (only end-of-sequence)."""
         return self._matcher.is_stopped()
 
+    def prepare_mask(self, words: int) -> None:
+        """Computes the next mask now (on a worker thread while the model runs: llguidance releases
+        the GIL); `fill_mask` then copies it, if nothing was consumed since."""
+        row = torch.empty(words, dtype=torch.int32)
+        self._compute(row)
+        self._prepared = (self.consumed, row)
+
     def fill_mask(self, bitmask_row: torch.Tensor) -> None:
         """Writes the allowed next tokens as bits into an int32 row (llguidance's layout). A matcher
         that failed (a grammar past llguidance's limits) allows everything here, so that the batch
         draws on, and `consume` then fails its request alone."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == self.consumed and prepared[1].numel() == bitmask_row.numel():
+            bitmask_row.copy_(prepared[1])
+            return
+        self._compute(bitmask_row)
+
+    def _compute(self, bitmask_row: torch.Tensor) -> None:
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * 4)
         if self._matcher.is_error():
             bitmask_row.fill_(-1)
+
+
+class MaskWorker:
+    """Computes the masks of the rows that will draw this step on one worker thread while the
+    model's forward runs (`start` before the forward, `wait` before the draw). Keeps the time
+    the masks took (`compute_s`) and the time the step waited for them (`wait_s`)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
+        self.compute_s = 0.0
+        self.wait_s = 0.0
+        self.masks = 0
+
+    def start(self, matchers: list[SampleMatcher]) -> None:
+        self.wait()
+        if not matchers:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="forklm-masks")
+        self._future = self._pool.submit(self._run, matchers)
+
+    def _run(self, matchers: list[SampleMatcher]) -> None:
+        t0 = time.perf_counter()
+        words = (matchers[0].vocab_size + 31) // 32
+        for m in matchers:
+            m.prepare_mask(words)
+        self.compute_s += time.perf_counter() - t0
+        self.masks += len(matchers)
+
+    def wait(self) -> None:
+        """Blocks until the masks started are done (a failure there is ignored: `fill_mask`
+        computes what is missing, and reports the error)."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001, S110 - recomputed (and raised) at the draw
+            pass
+        self.wait_s += time.perf_counter() - t0
 
 
 class TokenConstraints:

@@ -27,6 +27,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives recorded per token (the most likely, by the model's log-softmax)
     attention: str = "auto"  # "auto" | "bifurcated" | "standard"
     constraint: Constraint | None = None  # what every sample's text must match (`constraints.make_constraint`)
+    jump_forward: bool = True  # a constrained sample appends the runs its grammar forces in one step each
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +64,8 @@ class SamplingParams:
             raise bad("attention", self.attention, "one of 'auto', 'bifurcated', 'standard'")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise bad("constraint", self.constraint, "a Constraint (forklm.sampling.constraints.make_constraint) or None")
+        if not isinstance(self.jump_forward, bool):
+            raise bad("jump_forward", self.jump_forward, "True or False")
 
     @property
     def greedy(self) -> bool:

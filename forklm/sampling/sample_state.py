@@ -23,8 +23,18 @@ from forklm.sampling.seeds import counter_uniforms
 class SampleState:
     """One sample while it runs: its tokens, log-probs and why it ended (once it has)."""
 
-    __slots__ = ("index", "token_ids", "logprobs", "top_logprobs", "finish_reason", "stop_reason", "text", "checked",
-                 "matcher")
+    __slots__ = (
+        "ahead",
+        "checked",
+        "finish_reason",
+        "index",
+        "logprobs",
+        "matcher",
+        "stop_reason",
+        "text",
+        "token_ids",
+        "top_logprobs",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -36,6 +46,9 @@ class SampleState:
         self.text: str | None = None  # set when a stop string cut it
         self.checked = 0  # characters of decoded text already searched for stop strings
         self.matcher: SampleMatcher | None = None  # its place in its grammar, when constrained
+        # Known tokens after `token_ids` (a run its grammar forces: jump-forward), already consumed by
+        # the matcher, whose log-probs come from the next forward; they become sample tokens then.
+        self.ahead: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -117,10 +130,35 @@ def _record_top_logprobs(logits: torch.Tensor, states: Sequence[SampleState], pa
         st.top_logprobs.append(list(zip(toks[:kr], vals[:kr])))
 
 
+MAX_JUMP_TOKENS = 64  # a forced run longer than this is appended over several steps
+
+
+def jump_forward(st: SampleState, params: SamplingParams) -> list[int]:
+    """After a drawn token that did not end the sample: the run of tokens its grammar forces next
+    (`SampleMatcher.take_forced`: consumed by the matcher), as `st.ahead`, never past max_tokens.
+    Empty (nothing changes) for an unconstrained sample or with `jump_forward` off."""
+    if st.matcher is None or not params.jump_forward:
+        return []
+    st.ahead = st.matcher.take_forced(min(MAX_JUMP_TOKENS, params.max_tokens - len(st.token_ids)))
+    return st.ahead
+
+
+def accept_ahead(st: SampleState, logprob: float, top: list[tuple[int, float]] | None) -> None:
+    """The first known token becomes the sample's next token, with its log-prob from the forward."""
+    st.token_ids.append(st.ahead.pop(0))
+    st.logprobs.append(logprob)
+    if top is not None:
+        if st.top_logprobs is None:
+            st.top_logprobs = []
+        st.top_logprobs.append(top)
+
+
 def check_finished(
-    st: SampleState, params: SamplingParams, stop_ids: set[int], decode: Callable[[list[int]], str]
+    st: SampleState, params: SamplingParams, stop_ids: set[int], decode: Callable[[list[int]], str],
+    forced: bool = False,
 ) -> bool:
-    """Records why a sample ends after its latest token, if it does.
+    """Records why a sample ends after its latest token, if it does. `forced`: the token came from
+    `ahead` (the matcher consumed it already; the grammar can end only after the run's last one).
 
     Stop strings: each step decodes only a window of the latest tokens (O(1) per step, not the
     whole sample); only when a stop string shows up there is the whole sample decoded, to cut
@@ -130,8 +168,9 @@ def check_finished(
     tok = st.token_ids[-1]
     can_stop = len(st.token_ids) > params.min_tokens
     if st.matcher is not None:
-        st.matcher.consume(tok)  # raises ConstraintError if the grammar refuses it
-        if st.matcher.finished:  # the grammar is complete (or took its end-of-sequence): nothing can follow
+        if not forced:
+            st.matcher.consume(tok)  # raises ConstraintError if the grammar refuses it
+        if st.matcher.finished and not st.ahead:  # the grammar is complete (or took its end-of-sequence): nothing can follow
             st.finish_reason, st.stop_reason = "stop", (tok if tok in stop_ids else None)
             return True
     if can_stop and tok in stop_ids:

@@ -182,6 +182,7 @@ class _Server:
                     ignore_eos=body.ignore_eos,
                     top_logprobs=top_logprobs,
                     constraint=constraint,
+                    jump_forward=body.jump_forward,
                 )
             except InvalidArgumentError as exc:
                 raise invalid(str(exc), param=param_of_message(str(exc))) from None

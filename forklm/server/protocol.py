@@ -82,6 +82,7 @@ class _Body(_NullMeansDefault):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     rank: bool = False
+    jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
 
 
 class CompletionBody(_Body):
