@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="forklm", description="Many samples from one context, fast and exact (bifurcated attention)."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{sample,serve,bench,bench-serve,bench-kernel}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{sample,serve,bench,bench-serve,bench-kernel,bench-constrained}")
 
     s = sub.add_parser("sample", help="draw n samples of one prompt", description="Draw n samples of one prompt; "
                        "print the best few by mean log-probability and a stats line.")
@@ -62,12 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
     b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     from forklm.bench.serve_workload import build_parser as serve_parser
+    from forklm.bench.constrained import build_parser as constrained_parser
     from forklm.bench.kernel_bench import build_parser as kernel_parser
     from forklm.server.cli import add_parser as server_parser
 
     server_parser(sub)
     serve_parser(sub)
     kernel_parser(sub)
+    constrained_parser(sub)
     return parser
 
 
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             from forklm.bench.kernel_bench import run_from_args as run_kernel
 
             return run_kernel(args)
+        if args.command == "bench-constrained":
+            from forklm.bench.constrained import run_from_args as run_constrained
+
+            return run_constrained(args)
         if args.command == "bench-serve":
             from forklm.bench.serve_workload import run_from_args as run_serve
 

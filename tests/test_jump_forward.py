@@ -168,3 +168,14 @@ def test_jump_forward_must_be_a_bool(smollm2_f32):
 
     with pytest.raises(InvalidArgumentError, match=r"^jump_forward must be True or False"):
         smollm2_f32.sample("x", max_tokens=4, regex="[0-9]+", jump_forward="yes")
+
+
+def test_bench_constrained_modes_run_and_validate(smollm2_f32):
+    from forklm.bench.constrained import run_mode
+
+    masked, _ = run_mode(smollm2_f32, "masks-only", 4, 256, 1)
+    jump, _ = run_mode(smollm2_f32, "jump-forward", 4, 256, 1)
+    free, _ = run_mode(smollm2_f32, "unconstrained", 4, 256, 1, length=20)
+    assert masked["valid"] == jump["valid"] == 4
+    assert jump["steps"] * 1.5 <= masked["steps"] and free["tokens"] == 80
+    assert masked["masks"] > jump["masks"] > 0

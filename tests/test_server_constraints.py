@@ -121,3 +121,20 @@ def test_bad_constraints_are_400_naming_the_parameter(forklm_server, body, param
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
     assert e.value.body["type"] == "invalid_request_error"
     ok(forklm_server)
+
+
+
+
+def test_jump_forward_extension(forklm_server, smollm2_f32):
+    client = forklm_server.client()
+    kw = {"n": 3, "max_tokens": 80, "temperature": 1.0, "seed": 29}
+    for jump in (True, False):
+        r = client.completions.create(model=MODEL, prompt="A pet as JSON: ",
+                                      extra_body={"guided_json": PET_SCHEMA, "jump_forward": jump}, **kw)
+        ref = smollm2_f32.sample("A pet as JSON: ", json_schema=PET_SCHEMA, jump_forward=jump, **kw)
+        assert [c.text for c in r.choices] == [s.text for s in ref.samples]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "[0-9]+", "jump_forward": "yes"})
+    assert e.value.status_code == 400 and e.value.body["param"] == "jump_forward", e.value.body
+    ok(forklm_server)
