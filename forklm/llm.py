@@ -12,6 +12,7 @@ from forklm.device import available_memory_bytes, resolve_device, resolve_dtype
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
+from forklm.models.quant import BlockQuantized, resolve_quantize
 from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
 from forklm.models.random_weights import random_config, random_weights
 from forklm.models.registry import DEFAULT_MODEL, load_model_files
@@ -89,6 +90,10 @@ class LLM:
     folder, or a .gguf file; for benchmarks only, "random:<shape>" (a named shape such as
     "random:llama3-8b" or "random:/path/config.json") builds random weights on the device. dtype: "auto" (bfloat16 where the hardware has it natively, else
     float32), "float32", "bfloat16", "float16" (CUDA). device: "auto", "cpu", "cuda".
+    quantize: weights kept quantized at run time (CPU; forklm/models/quant.py, README "Quantized
+    weights"): "int8" (per output channel), "int4" (groups of 32), "gguf" (a GGUF file's Q4_1 blocks
+    as stored, Q8_0 re-quantized to int8 per channel), None; "auto" (default): "gguf" for a GGUF
+    file with quantized blocks on CPU with bfloat16, else None (a fixed rule, no timing probe).
     """
 
     def __init__(
@@ -97,20 +102,24 @@ class LLM:
         *,
         dtype: str | torch.dtype | None = "auto",
         device: str | torch.device | None = "auto",
+        quantize: str | None = "auto",
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        asked = resolve_quantize(quantize, self.dtype, self.device)  # checks the value before loading
         if isinstance(model, str) and model.lower().startswith(RANDOM_PREFIX):
             # a benchmark tool: a real shape with random weights drawn on the device, no files
             config = random_config(model)
             weights = random_weights(config, self.dtype, self.device)
             tokenizer, source = None, model
         else:
-            config, weights, tokenizer, source = load_model_files(model)
+            config, weights, tokenizer, source = load_model_files(model, keep_quantized=asked == "gguf")
+        has_blocks = any(isinstance(w, BlockQuantized) for w in weights.values())
+        self.quantize = resolve_quantize(quantize, self.dtype, self.device, has_gguf_blocks=has_blocks)
         self.source = source
         self.config = config
         self.tokenizer = tokenizer
-        self.model = LlamaModel(config, weights, self.dtype, self.device)
+        self.model = LlamaModel(config, weights, self.dtype, self.device, quantize=self.quantize)
         self.model.num_valid_tokens = tokenizer.vocab_size if tokenizer else config.vocab_size  # padded vocab: masked
         del weights
         eos = tuple(config.eos_token_ids) + (tuple(tokenizer.eos_token_ids) if tokenizer else ())
@@ -266,4 +275,4 @@ class LLM:
             )
 
     def __repr__(self) -> str:
-        return f"LLM({str(self.source)!r}, dtype={self.dtype}, device={self.device})"
+        return f"LLM({str(self.source)!r}, dtype={self.dtype}, device={self.device}, quantize={self.quantize!r})"

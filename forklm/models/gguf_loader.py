@@ -37,8 +37,12 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Reads a GGUF file into (config, float32 weights under Hugging Face names, tokenizer)."""
+def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
+    """Reads a GGUF file into (config, float32 weights under Hugging Face names, tokenizer).
+
+    keep_quantized: Q4_1 and Q8_0 matrices come back as their blocks (`forklm.models.quant.
+    BlockQuantized`, rows in HF order, `.dequantize()` equal to the float path bit for bit) instead
+    of float32; other types are dequantized as before."""
     import gguf  # imported here: only GGUF loading needs it
 
     path = Path(path)
@@ -73,12 +77,18 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
         shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims fastest-first (ne order)
         if shape != expected[hf_name]:
             raise ModelFileError(f"{path}: tensor {name!r} has shape {shape}, expected {expected[hf_name]}")
-        w = _dequantize(info, path)
+        w = _blocks(info, shape) if keep_quantized else None
+        if w is None:
+            w = _dequantize(info, path)
         if arch == "llama" and re.search(r"\.attn_[qk]\.", name):
             # llama.cpp's convert script permutes q/k rows so that each head's rotary pairs are adjacent
             # (GGML's rope); HF's rotate_half wants the two halves of a head apart. Undo it. Qwen2 is
             # converted without permuting (llama.cpp runs it with NEOX rope, i.e. the HF layout).
-            w = _unpermute(w, config.num_heads if ".attn_q." in name else config.num_kv_heads)
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            if isinstance(w, torch.Tensor):
+                w = _unpermute(w, heads)
+            else:  # the same row permutation on the stored blocks
+                w = w.rows(_unpermute(torch.arange(shape[0]), heads))
         weights[hf_name] = w
     del reader, infos
     missing = [n for n in expected if n not in weights]
@@ -114,6 +124,16 @@ def _dequantize(info: Any, path: Path) -> torch.Tensor:
         raise UnsupportedModelError(f"{path}: tensor {info.name!r} has unsupported type {kind.name}") from None
     except ValueError as e:
         raise ModelFileError(f"{path}: tensor {info.name!r} cannot be read ({e})") from None
+
+
+def _blocks(info: Any, shape: tuple[int, ...]) -> Any:
+    """A Q4_1 / Q8_0 matrix as its blocks (BlockQuantized), or None for any other tensor."""
+    from forklm.models.quant import read_gguf_blocks
+
+    kind = info.tensor_type.name
+    if kind not in ("Q4_1", "Q8_0") or len(shape) != 2 or shape[1] % 32:
+        return None
+    return read_gguf_blocks(kind, info.data, shape)
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

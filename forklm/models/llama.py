@@ -16,6 +16,13 @@ import torch.nn.functional as F
 
 from forklm.config import ModelConfig, RopeConfig
 from forklm.errors import ModelFileError, UnsupportedModelError
+from forklm.models.quant import (
+    BlockQuantized,
+    QuantizedLinear,
+    build_matrix,
+    kernels_pay_off,
+    linear,
+)
 
 
 class StepAttention(Protocol):
@@ -97,6 +104,7 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         weight_layout: str | None = None,  # "in_out" | "out_in"; None: weight_layout_for(dtype, device)
+        quantize: str | None = None,  # None | "int8" | "int4" | "gguf" (resolved: quant.resolve_quantize)
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -104,20 +112,48 @@ class LlamaModel:
         self.num_valid_tokens = config.vocab_size  # LLM lowers it to the tokenizer's size
         c = config
 
-        def take(name: str) -> torch.Tensor:
+        def raw(name: str) -> torch.Tensor | BlockQuantized:
             if name not in weights:
                 raise ModelFileError(f"checkpoint is missing tensor {name!r}")
-            return weights.pop(name).to(device=device, dtype=dtype)
+            return weights.pop(name)
+
+        def take(name: str) -> torch.Tensor:
+            w = raw(name)
+            if isinstance(w, BlockQuantized):  # GGUF blocks not kept: the float loader's values exactly
+                w = w.dequantize()
+            return w.to(device=device, dtype=dtype)
 
         if weight_layout not in (None, "in_out", "out_in"):
             raise ValueError(f"weight_layout must be 'in_out', 'out_in' or None, got {weight_layout!r}")
-        self.weight_layout = weight_layout or weight_layout_for(dtype, device)
+        if quantize not in (None, "int8", "int4", "gguf"):
+            raise ValueError(f"quantize must be None, 'int8', 'int4' or 'gguf', got {quantize!r}")
+        self.quantize = quantize
+        # quantized kernels where they measure faster (quant.kernels_pay_off); they take [out, in]
+        self.quantized_kernels = quantize is not None and kernels_pay_off(dtype, device)
+        if self.quantized_kernels and weight_layout == "in_out":
+            raise ValueError("quantized weights use the checkpoint layout 'out_in'")
+        self.weight_layout = weight_layout or ("out_in" if self.quantized_kernels else weight_layout_for(dtype, device))
         self._linear = _linear if self.weight_layout == "in_out" else _linear_out_in
+        if self.quantized_kernels:
+            self._linear = linear  # QuantizedLinear or a dense [out, in] weight
 
         def transposed(w: torch.Tensor) -> torch.Tensor:  # into the chosen layout
             return w.t().contiguous() if self.weight_layout == "in_out" else w.contiguous()
 
-        self.embed = take("model.embed_tokens.weight")  # [V, H]
+        def matrix(*names: str) -> torch.Tensor | QuantizedLinear:  # fused rows of these, run-time format
+            if quantize is None:
+                return transposed(torch.cat([take(n) for n in names], dim=0))
+            w = build_matrix([raw(n) for n in names], quantize, dtype, device)
+            return w if isinstance(w, QuantizedLinear) else transposed(w)
+
+        tied = not ("lm_head.weight" in weights and not c.tie_word_embeddings)
+        tied_head = None
+        if quantize is not None and tied:
+            # the table is the quantized head's weights (dequantized; the dense copy when kernels run)
+            tied_head = build_matrix([raw("model.embed_tokens.weight")], quantize, dtype, device)
+            self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
+        else:
+            self.embed = take("model.embed_tokens.weight")  # [V, H]
         if self.embed.shape != (c.vocab_size, c.hidden_size):
             raise ModelFileError(
                 f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
@@ -126,7 +162,7 @@ class LlamaModel:
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for i in range(c.num_layers):
             pre = f"model.layers.{i}."
-            qkv = transposed(torch.cat([take(pre + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0))
+            qkv = matrix(*(pre + f"self_attn.{n}_proj.weight" for n in "qkv"))
             qkv_bias = gate_up_bias = down_bias = None
             if c.attention_bias:
                 qkv_bias = torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
@@ -138,24 +174,24 @@ class LlamaModel:
                     "attn_norm": take(pre + "input_layernorm.weight"),
                     "qkv": qkv,  # [H, (h + 2g)·D] ("in_out"; transposed for "out_in")
                     "qkv_bias": qkv_bias,
-                    "o": transposed(take(pre + "self_attn.o_proj.weight")),  # [h·D, H]
+                    "o": matrix(pre + "self_attn.o_proj.weight"),  # [h·D, H]
                     "o_bias": take(pre + "self_attn.o_proj.bias") if c.o_proj_bias else None,
                     "mlp_norm": take(pre + "post_attention_layernorm.weight"),
-                    "gate_up": transposed(
-                        torch.cat([take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")], dim=0)
-                    ),  # [H, 2I]
+                    "gate_up": matrix(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),  # [H, 2I]
                     "gate_up_bias": gate_up_bias,
-                    "down": transposed(take(pre + "mlp.down_proj.weight")),  # [I, H]
+                    "down": matrix(pre + "mlp.down_proj.weight"),  # [I, H]
                     "down_bias": down_bias,
                 }
             )
         self.norm = take("model.norm.weight")
-        if "lm_head.weight" in weights and not c.tie_word_embeddings:
-            self.lm_head = transposed(take("lm_head.weight"))  # [H, V]
+        if not tied:
+            self.lm_head = matrix("lm_head.weight")  # [H, V]
         else:
             weights.pop("lm_head.weight", None)
             # tied: a transposed copy for "in_out", the table itself for "out_in"
             self.lm_head = transposed(self.embed) if self.weight_layout == "in_out" else self.embed
+            if isinstance(tied_head, QuantizedLinear):
+                self.lm_head = tied_head
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
         unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))  # old files store RoPE tables
         if unused:
@@ -166,9 +202,11 @@ class LlamaModel:
             )
 
     def num_weight_bytes(self) -> int:
-        """Bytes of all weight tensors held (the embedding table and, when tied, its transposed copy)."""
+        """Bytes of all weight tensors held (the embedding table and, when tied, its transposed copy;
+        a quantized weight's packed values, scales and dense copy)."""
         tensors = [self.embed, self.norm, self.lm_head]
         tensors += [t for layer in self.layers for t in layer.values() if t is not None]
+        tensors = [u for t in tensors for u in (t.tensors() if isinstance(t, QuantizedLinear) else [t])]
         unique = {t.data_ptr(): t for t in tensors}  # a tied lm_head may be the embedding itself
         return sum(t.numel() * t.element_size() for t in unique.values())
 

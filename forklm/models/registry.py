@@ -30,8 +30,10 @@ def packaged_gguf(name: str) -> Path:
     return files[0]
 
 
-def load_model_files(model: str):
-    """(ModelConfig, weights by HF name, Tokenizer, source path) for a name or path."""
+def load_model_files(model: str, keep_quantized: bool = False):
+    """(ModelConfig, weights by HF name, Tokenizer, source path) for a name or path.
+
+    keep_quantized: a GGUF file's Q4_1 / Q8_0 matrices come back as their blocks (see load_gguf)."""
     from forklm.models.gguf_loader import load_gguf
     from forklm.models.hf_loader import load_hf_folder
 
@@ -40,13 +42,13 @@ def load_model_files(model: str):
     key = str(model).lower()
     if key in KNOWN_MODELS:
         path = packaged_gguf(key)
-        return (*load_gguf(path), path)
+        return (*load_gguf(path, keep_quantized), path)
     path = Path(model).expanduser()
     if path.is_dir():
         return (*load_hf_folder(path), path)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return (*load_gguf(path), path)
+            return (*load_gguf(path, keep_quantized), path)
         raise UnsupportedModelError(
             f"{path}: unsupported model file type {path.suffix or '(none)'!r}; give a .gguf file or a Hugging Face folder"
         )

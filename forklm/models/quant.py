@@ -1,0 +1,341 @@
+"""Weights kept quantized at run time: int8 per-output-channel and int4 group-wise weight-only
+formats over PyTorch's CPU kernels, and GGUF Q4_1 / Q8_0 blocks kept as stored.
+
+Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
+    int8   w = q · s[out]                        q int8 in [-127, 127], s per output channel;
+           `torch.ops.aten._weight_int8pack_mm(x, q [out, in], s [out])`
+    int4   w = (q − 8) · scale[g, out] + zero[g, out]   q in 0..15, groups of 32 along `in`;
+           `torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros [in/32, out, 2])`
+           (the packed layout from `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], 2)`).
+    GGUF Q4_1 (w = d·q + m per block of 32, q in 0..15) is int4 with scale = d and zero = m + 8d:
+           the same q, no re-rounding of the weights (the test checks the dequantized weights equal
+           the float loader's bit for bit where the scales are held in float32).
+    GGUF Q8_0 (w = d·q per block of 32, q int8) has no exact PyTorch kernel (the int8 kernel scales
+           per output channel only): as a product it is re-quantized to int8 per channel (lossy,
+           reported in the README); its embedding lookup dequantizes the stored blocks exactly.
+
+Both kernels want scales in the activation dtype. Measured on a 2-core AVX512-BF16 EPYC (forklm/
+bench/quant_kernels.py, README "Quantized weights"): with bfloat16 activations they beat a dense
+bfloat16 product for skinny steps (T = 1: 2-4.5x) and lose from about T = 16-32 on (2x at T = 64);
+with float32 activations they are 5-50x slower than a dense float32 product at every T. Hence the
+fixed rule: a `QuantizedLinear` runs the kernel for steps of at most `max_rows` rows and a dense copy
+(the same dequantized weights in the model dtype) above; on float32 the quantized weights are
+dequantized at load and run dense (the accuracy of the quantized weights, no speed or memory gain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from forklm.errors import InvalidArgumentError
+
+GROUP_SIZE = 32  # int4 group along `in`; GGUF Q4_1's block, and no slower than 64 on this CPU
+QUANTIZE_CHOICES = ("int8", "int4", "gguf", "auto")
+
+# Rows per step at or below which the quantized kernel runs; above, the dense copy (bfloat16
+# activations; measured, see module docstring and README). The 49152-row LM head stays on the
+# kernel longer: it is the one product bound by weight bytes well past a few rows.
+KERNEL_MAX_ROWS = {"int4": 4, "int8": 4}
+KERNEL_MAX_ROWS_WIDE = {"int4": 12, "int8": 4}  # out_features >= WIDE_OUT (the LM head)
+WIDE_OUT = 16384
+
+
+def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.device,
+                     has_gguf_blocks: bool | None = None) -> str | None:
+    """The quantization to apply: None, "int8", "int4" or "gguf" (GGUF blocks as stored).
+
+    "auto": a fixed rule of the device and dtype (itself a rule of the CPU's features, see
+    `forklm.device.resolve_dtype`), never a timing probe: "gguf" on CPU with bfloat16 activations
+    when the file stores quantized blocks (the kernels measure faster there), else None.
+    has_gguf_blocks None: not known yet (the caller loads the file with its blocks kept).
+    """
+    if quantize is None or quantize is False:
+        return None
+    if not isinstance(quantize, str) or quantize.lower() not in QUANTIZE_CHOICES + ("none",):
+        raise InvalidArgumentError(
+            f"quantize must be None, 'none', 'auto', 'int8', 'int4' or 'gguf' (as stored in a GGUF file), got {quantize!r}"
+        )
+    q = quantize.lower()
+    if q == "none":
+        return None
+    if q == "auto":
+        if device.type != "cpu" or dtype != torch.bfloat16:
+            return None
+        return "gguf" if has_gguf_blocks is not False else None
+    if device.type != "cpu":
+        raise InvalidArgumentError(
+            f"quantize={quantize!r} uses PyTorch's CPU kernels and is supported on device 'cpu' only, got {device}"
+        )
+    if q == "gguf" and has_gguf_blocks is False:
+        raise InvalidArgumentError("quantize='gguf' keeps a GGUF file's quantized blocks: give a .gguf model")
+    return q
+
+
+# ----------------------------------------------------------------------------- GGUF blocks as stored
+@dataclass
+class BlockQuantized:
+    """A GGUF tensor kept as its blocks (32 values along `in` per block), rows as in HF ([out, in]).
+
+    q4_1: q uint8 [out, in] in 0..15, d and m float32 [out, in/32]: w = d·q + m.
+    q8_0: q int8 [out, in], d float32 [out, in/32], m None: w = d·q.
+    d and m are the file's float16 values, widened exactly.
+    """
+
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    BLOCK = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], computed as gguf's numpy dequantization does ((d·q) + m in float32)."""
+        n, k = self.q.shape
+        q = self.q.float().view(n, k // self.BLOCK, self.BLOCK)
+        w = q * self.d.unsqueeze(-1)
+        if self.m is not None:
+            w = w + self.m.unsqueeze(-1)
+        return w.view(n, k)
+
+    def rows(self, index: torch.Tensor) -> BlockQuantized:
+        return BlockQuantized(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
+
+    @staticmethod
+    def cat(parts: list[BlockQuantized]) -> BlockQuantized:
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse GGUF tensors of different types {sorted(kinds)}")
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return BlockQuantized(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+
+def read_gguf_blocks(kind_name: str, raw, shape: tuple[int, int]) -> BlockQuantized:
+    """Q4_1 or Q8_0 bytes of a GGUF tensor ([rows, bytes per row] uint8) -> BlockQuantized [out, in]."""
+    import numpy as np
+
+    n, k = shape
+    nb = k // 32
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, -1)
+    if kind_name == "Q4_1":  # per block: d fp16, m fp16, 16 bytes: value j low nibble, value j+16 high nibble
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:20]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        return BlockQuantized("q4_1", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+    if kind_name == "Q8_0":  # per block: d fp16, 32 int8
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:34].copy().view(np.int8).reshape(n, k)
+        return BlockQuantized("q8_0", torch.from_numpy(q), torch.from_numpy(d))
+    raise ValueError(f"GGUF type {kind_name} is not kept quantized")
+
+
+# ----------------------------------------------------------------------------- run-time formats
+class QuantizedLinear:
+    """y = x @ wᵀ (+ bias) with w [out, in] held as int8 or int4 for PyTorch's CPU kernels, and,
+    when `dense` is set, the same dequantized weights in the model dtype for steps of more than
+    `max_rows` rows (where a dense product measures faster)."""
+
+    def __init__(self, kind: str, qweight: torch.Tensor, scales: torch.Tensor, out_features: int,
+                 in_features: int, dtype: torch.dtype, max_rows: int | None = None, keep_dense: bool = True,
+                 values: torch.Tensor | None = None):  # values: the dequantized weights, if at hand
+        self.kind = kind  # "int8" | "int4"
+        self.qweight = qweight  # int8 [out, in] | int4-packed uint8 [out, in/2]
+        self.scales = scales  # int8: [out]; int4: [in/32, out, 2] (scale, zero), in `dtype`
+        self.out_features = out_features
+        self.in_features = in_features
+        self.dtype = dtype
+        if max_rows is None:
+            table = KERNEL_MAX_ROWS_WIDE if out_features >= WIDE_OUT else KERNEL_MAX_ROWS
+            max_rows = table[kind]
+        self.max_rows = max_rows
+        self.dense = None
+        if keep_dense:
+            self.dense = (self.dequantize() if values is None else values).to(dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP_SIZE, self.scales)
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > self.max_rows:
+            return F.linear(x, self.dense, bias)
+        y = self.kernel(x.contiguous())
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: exactly the weights the kernel multiplies by (scales as held)."""
+        if self.kind == "int8":
+            return self.qweight.float() * self.scales.float().unsqueeze(1)
+        padded = self.scales.shape[1]  # rows padded to a multiple of 64 (see _int4)
+        return _int4_values(unpack_int4(self.qweight, padded, self.in_features), self.scales)[: self.out_features]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qweight, self.scales] + ([self.dense] if self.dense is not None else [])
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def __repr__(self) -> str:
+        dense = f", dense copy {self.dense.dtype}" if self.dense is not None else ""
+        return (f"QuantizedLinear({self.kind}, out={self.out_features}, in={self.in_features}, "
+                f"kernel for T <= {self.max_rows}{dense})")
+
+
+def _int4_values(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """float32 (q − 8)·scale + zero for q [out, in] and scales_and_zeros [in/32, out, 2]."""
+    n, k = q.shape
+    s = sz.float()
+    scale, zero = s[..., 0].t().unsqueeze(-1), s[..., 1].t().unsqueeze(-1)  # [out, in/32, 1]
+    return ((q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8) * scale + zero).view(n, k)
+
+
+_checked_layouts: set[tuple[int, int]] = set()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] in 0..15 -> PyTorch's CPU int4 layout (checked against `unpack_int4` once per
+    shape and process)."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    if tuple(q.shape) not in _checked_layouts:
+        if not torch.equal(unpack_int4(packed, *q.shape), q.to(torch.uint8)):
+            raise RuntimeError("this PyTorch's int4 CPU packing differs from the layout forklm reads back")
+        _checked_layouts.add(tuple(q.shape))
+    return packed
+
+
+def unpack_int4(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of `_convert_weight_to_int4pack_for_cpu` (PyTorch 2.13, CPU): rows in blocks of 64;
+    within a block, byte (k, j) holds row j in its low nibble and row j + 32 in its high nibble.
+    `pack_int4` checks this on every weight it packs, so a changed layout is an error, not wrong
+    numbers."""
+    n, k = out_features, in_features
+    if n % 64:
+        raise InvalidArgumentError(f"int4 weights need out_features divisible by 64, got {n}")
+    b = packed.view(n // 64, k, 32)
+    lo, hi = b & 0x0F, b >> 4
+    return torch.cat([lo, hi], dim=2).permute(0, 2, 1).reshape(n, k)
+
+
+def _check_shape(kind: str, w_shape: tuple[int, int]) -> None:
+    n, k = w_shape
+    if kind == "int4" and k % GROUP_SIZE:
+        raise InvalidArgumentError(
+            f"quantize='int4' needs in_features divisible by {GROUP_SIZE}; a weight of shape [{n}, {k}] "
+            "has not (use 'int8')"
+        )
+
+
+def int8_from_float(w: torch.Tensor, dtype: torch.dtype, **kw) -> QuantizedLinear:
+    """Symmetric per-output-channel int8: s = max|w_row| / 127 (held in `dtype`), q = round(w / s)."""
+    w = w.float()
+    s = (w.abs().amax(dim=1) / 127).to(dtype)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(w / s.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return QuantizedLinear("int8", q.contiguous(), s.contiguous(), w.shape[0], w.shape[1], dtype, **kw)
+
+
+def int4_from_float(w: torch.Tensor, dtype: torch.dtype, **kw) -> QuantizedLinear:
+    """Asymmetric int4 per group of 32 along `in` (min/max, as GGUF Q4_1): scale = (max − min)/15,
+    zero = min + 8·scale, both rounded to `dtype` first and q chosen against the rounded values."""
+    _check_shape("int4", tuple(w.shape))
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).to(dtype).float()
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    zero = (lo + 8 * scale).to(dtype).float()
+    q = torch.round((g - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
+    return _int4(q, scale, zero, dtype, **kw)
+
+
+def int4_from_q4_1(b: BlockQuantized, dtype: torch.dtype, **kw) -> QuantizedLinear:
+    """GGUF Q4_1 as int4 with the stored q: scale = d, zero = m + 8d (exact in float32 for the
+    file's fp16 d and m unless their exponents are > 13 apart, checked; rounded once if dtype is
+    bfloat16, which the kernel requires for bfloat16 activations)."""
+    _check_shape("int4", b.shape)
+    zero = b.m + 8 * b.d
+    if not torch.equal((zero.double() - 8 * b.d.double()), b.m.double()):
+        raise ValueError("Q4_1 zero point m + 8d is not exact in float32 for this tensor")
+    return _int4(b.q, b.d, zero, dtype, **kw)
+
+
+def _int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype, **kw) -> QuantizedLinear:
+    n, k = q.shape
+    values = _int4_values(q, torch.stack([scale.t(), zero.t()], dim=-1).to(dtype)) if kw.get("keep_dense", True) else None
+    pad = -n % 64  # the packed layout is read back (dequantize) in blocks of 64 rows: pad with zero rows
+    if pad:
+        q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
+        scale = torch.cat([scale, torch.ones(pad, scale.shape[1])])
+        zero = torch.cat([zero, torch.zeros(pad, zero.shape[1])])
+    sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [in/32, out, 2]
+    return QuantizedLinear("int4", pack_int4(q), sz, n, k, dtype, values=values, **kw)
+
+
+def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dtype, **kw) -> QuantizedLinear:
+    """One weight [out, in] (float or GGUF blocks) in the run-time format `how` asks for.
+
+    how "int8" / "int4": from the float weights (GGUF blocks are dequantized first).
+    how "gguf": Q4_1 blocks as int4 with their own q; Q8_0 re-quantized to int8 per channel (lossy);
+    a float tensor in a GGUF file stays float (returned as is by the caller, not here).
+    """
+    if isinstance(w, BlockQuantized):
+        if how == "gguf":
+            if w.kind == "q4_1":
+                return int4_from_q4_1(w, dtype, **kw)
+            return int8_from_float(w.dequantize(), dtype, **kw)
+        w = w.dequantize()
+    if how == "int8":
+        return int8_from_float(w, dtype, **kw)
+    if how == "int4":
+        return int4_from_float(w, dtype, **kw)
+    raise InvalidArgumentError(f"cannot quantize a float weight as {how!r}")
+
+
+def kernels_pay_off(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether quantized weights run on the kernels (else they are dequantized at load): CPU with
+    bfloat16 activations (a fixed rule: with float32 activations both kernels measured slower than a
+    dense float32 product at every T, see module docstring)."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+def build_matrix(parts: list, how: str, dtype: torch.dtype, device: torch.device):
+    """Weights [out_i, in] (float tensors or GGUF blocks) fused along `out`, as the model runs them:
+    a QuantizedLinear where `kernels_pay_off`, else a dense [out, in] tensor in `dtype` holding the
+    quantized weights' values (for "gguf": the blocks' exact float values). With "gguf", float
+    tensors of the file stay float (dense)."""
+    if all(isinstance(p, BlockQuantized) for p in parts):
+        w = BlockQuantized.cat(parts) if len(parts) > 1 else parts[0]
+    else:
+        w = torch.cat([p.dequantize() if isinstance(p, BlockQuantized) else p.float() for p in parts], dim=0)
+    if how == "gguf" and not isinstance(w, BlockQuantized):
+        return w.to(device=device, dtype=dtype)
+    if not kernels_pay_off(dtype, device):
+        if how == "gguf":
+            values = w.dequantize()
+        else:
+            values = quantize_weight(w, how, torch.float32, keep_dense=False).dequantize()
+        return values.to(device=device, dtype=dtype)
+    return quantize_weight(w, how, dtype)
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's product: a QuantizedLinear, or a dense weight in the checkpoint layout [out, in]."""
+    if isinstance(w, QuantizedLinear):
+        return w(x, bias)
+    return F.linear(x, w, bias)
