@@ -179,3 +179,37 @@ def test_bench_constrained_modes_run_and_validate(smollm2_f32):
     assert masked["valid"] == jump["valid"] == 4
     assert jump["steps"] * 1.5 <= masked["steps"] and free["tokens"] == 80
     assert masked["masks"] > jump["masks"] > 0
+
+
+def test_jumps_with_preemption_and_random_cancels_keep_the_books(smollm2_f32):
+    """Constrained (jumping) and free requests on a pool too small for all of them, some
+    cancelled at random steps: integrity after every step, no block left at the end, every
+    finished constrained sample valid."""
+    import random
+
+    llm = smollm2_f32
+    rng = random.Random(41)
+    engine = llm.engine(num_blocks=40, block_size=16)
+    kinds = [{"prompt": PET_PROMPT, "max_tokens": 80, "json_schema": PET_SCHEMA},
+             {"prompt": "Two digits and a sentence: ", "max_tokens": 40, "regex": FORCED_RE},
+             {"prompt": "Numbers: ", "max_tokens": 30, "ignore_eos": True}]
+    states = []
+    for i in range(9):
+        spec = dict(kinds[i % 3], n=rng.choice([1, 3, 5]), temperature=1.0, seed=100 + i)
+        states.append((spec, engine.add_request(llm.prompt_token_ids(spec["prompt"]), Request.from_any(spec).params())))
+    cancel_at = {rng.randrange(2, 30): states[i][1].request_id for i in (1, 4, 6)}
+    step = 0
+    while engine.has_unfinished():
+        if step in cancel_at:
+            engine.cancel(cancel_at[step])
+        engine.step()
+        engine.check_integrity()
+        step += 1
+    assert engine.blocks_in_use() == 0 and engine.metrics.preempted_samples > 0
+    for spec, st in states:
+        assert st.error is None
+        for s in st.output.samples:
+            if s.finish_reason == "stop" and "json_schema" in spec:
+                jsonschema.validate(json.loads(s.text), PET_SCHEMA)
+            if s.finish_reason == "stop" and "regex" in spec:
+                assert re.fullmatch(FORCED_RE, s.text)
