@@ -50,15 +50,31 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: [x1, x2] -> [-x2, x1] over the last dim."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, bit for bit, with sin_signed = [-sin1, sin2]: rolling x by
+    half a head gives [x2, x1], and (-x2)·sin1 = x2·(-sin1) exactly. x [T, heads, D], cos/sin [T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, operator by operator (the test oracle of `rms_norm`)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it (in float32, rounded to x's dtype, then times the
+    weight in x's dtype), through PyTorch's rms_norm: 3 calls from Python instead of 7."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
 
 
 def _linear(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,6 +209,8 @@ class LlamaModel:
             if isinstance(tied_head, QuantizedLinear):
                 self.lm_head = tied_head
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
+        self._rope_len = 0  # positions the cos/sin tables cover (see _rope)
+        self._cos = self._sin_signed = torch.empty(0)
         unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))  # old files store RoPE tables
         if unused:
             more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
@@ -211,9 +229,23 @@ class LlamaModel:
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) [T, 1, D] in the model dtype for these positions (see apply_rope), from
+        tables computed as transformers computes each position (float32, then rounded), grown on demand."""
+        if positions.device.type != "cpu":  # no table: its size check would sync with the device
+            return self._rope_tables(positions)
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._rope_len:
+            size = max(need, 2 * self._rope_len, 4096)
+            self._cos, self._sin_signed = self._rope_tables(torch.arange(size, device=positions.device))
+            self._rope_len = size
+        return self._cos[positions], self._sin_signed[positions]
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)  # [T, 1, D]
+        half = emb.shape[-1] // 2
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)  # [T, 1, D]
 
     @torch.inference_mode()
     def forward(
@@ -231,12 +263,9 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             y = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             qkv = self._linear(y, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([h * D, g * D, g * D], dim=-1)
-            q = q.view(T, h, D)
-            k = k.view(T, g, D)
-            v = v.view(T, g, D)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk = apply_rope(qkv[:, : (h + g) * D].view(T, h + g, D), cos, sin)  # q and k heads in one pass
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, (h + g) * D :].view(T, g, D)
             a = attention.attend(i, q, k, v)  # [T, h, D]
             x = x + self._linear(a.reshape(T, h * D), layer["o"], layer["o_bias"])
             y = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
