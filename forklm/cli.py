@@ -13,6 +13,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name, HF folder or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (CUDA) (default: auto)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
+    p.add_argument("--quantize", default="auto",
+                   help="weights kept quantized at run time (CPU): auto, none, int8, int4, gguf (a GGUF file's blocks as stored) (default: auto: gguf for a quantized .gguf on CPU with bfloat16, else none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +112,7 @@ def _sample(args: argparse.Namespace) -> int:
     from forklm import LLM
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     out = llm.sample(

@@ -237,3 +237,14 @@ def test_smollm2_gguf_as_stored(smollm2_gguf, smollm2_f32):
     assert rel_err(steps, ref_steps) < 0.08  # one row a step: the kernels
     f32_gguf = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="gguf")
     assert rel_err(f32_gguf.model.layers[5]["gate_up"], smollm2_f32.model.layers[5]["gate_up"]) == 0.0
+
+
+def test_cli_quantize_flag(capsys):
+    from forklm.cli import build_parser, main
+
+    assert main(["sample", "--quantize", "int3", "hello"]) == 2
+    assert "quantize must be" in capsys.readouterr().err
+    parser = build_parser()
+    for argv in (["sample", "--quantize", "int4", "x"], ["bench", "--quantize", "gguf"], ["serve", "--quantize", "int8"],
+                 ["bench-serve", "--quantize", "none"]):
+        assert parser.parse_args(argv).quantize == argv[2]

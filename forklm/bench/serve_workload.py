@@ -212,6 +212,7 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
                        description=desc) if sub else argparse.ArgumentParser(description=desc)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantize", default="auto", help="auto, none, int8, int4, gguf (see forklm sample --help)")
     p.add_argument("--device", default="auto")
     p.add_argument("--systems", type=int, default=4, help="system prompts (default: 4)")
     p.add_argument("--system-tokens", type=int, default=1024, help="tokens per system prompt (default: 1024)")
@@ -246,7 +247,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise ValueError(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=getattr(args, "quantize", "auto"))
     sources = code_token_pool(lambda text: llm.tokenizer.encode(text, add_special_tokens=False))
     wl = make_workload(args, sources)
     engine_args = dict(block_size=args.block_size, max_batch_tokens=args.max_batch_tokens,

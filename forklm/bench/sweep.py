@@ -418,6 +418,7 @@ def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: C
         "transformers": hf_version,
         "transformers_error": hf_error,
         "dtype": dtype_name(llm.dtype),
+        "quantize": llm.quantize,
         "device": dev.type,
         "model": str(llm.source),
         "model_parameters": llm.config.num_parameters(),
@@ -564,7 +565,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         llama_binary = find_binary()  # before anything slow: a missing binary is a clear error
     _note(f"loading {args.model} (dtype {args.dtype}, device {args.device})")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=getattr(args, "quantize", "auto"))
     dtype = dtype_name(llm.dtype)
     llama_cpp = None
     if cfg.llama_cpp:

@@ -14,6 +14,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="model name, HF folder or .gguf file (default: smollm2-135m)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (CUDA) (default: auto)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
+    p.add_argument("--quantize", default="auto",
+                   help="weights kept quantized at run time (CPU): auto, none, int8, int4, gguf (a GGUF file's blocks as stored) (default: auto: gguf for a quantized .gguf on CPU with bfloat16, else none)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("FORKLM_API_KEY"),
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_samples < 1:
         raise ValueError("--max-samples must be >= 1")
     EngineConfig(**engine_options(args))  # bad options fail before the model loads
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model}: forklm serve needs a model with a tokenizer (random-weight shapes are for "
                          "forklm bench)")
