@@ -59,6 +59,9 @@ def test_a_forced_run_is_appended_in_one_step(smollm2_f32):
     assert llm.decode(forced) == FORCED_TEXT
     assert forced == llm.tokenizer.encode(FORCED_TEXT)
     assert len(forced) >= 8 and mask_engine.metrics.steps > 3 * jump_engine.metrics.steps
+    # one extend: the second digit and the whole run after it
+    assert jump_engine.metrics.extends == 1 and jump_engine.metrics.extend_tokens == 1 + len(forced)
+    assert mask_engine.metrics.extends == 0
 
 
 def test_forced_tokens_logprobs_are_the_models(smollm2_f32):

@@ -100,6 +100,8 @@ class EngineMetrics:
     preempted_samples: int = 0
     preempted_requests: int = 0
     shared_reads: int = 0  # decode segment reads shared by several rows (bifurcated)
+    extends: int = 0  # multi-token extends run (a sample's drawn token and its known run in one step)
+    extend_tokens: int = 0  # tokens computed in them
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -224,6 +226,9 @@ class Engine:
         if batch.empty:
             return finished
         self.metrics.steps += 1
+        if batch.extend:
+            self.metrics.extends += len(batch.extend)
+            self.metrics.extend_tokens += sum(seq.num_pending for seq in batch.extend)
         self.output.prepare(batch)  # grammar masks on a worker thread while the model runs
         try:
             out = self.runner.run(batch)
