@@ -91,7 +91,7 @@ class LLM:
     "random:llama3-8b" or "random:/path/config.json") builds random weights on the device. dtype: "auto" (bfloat16 where the hardware has it natively, else
     float32), "float32", "bfloat16", "float16" (CUDA). device: "auto", "cpu", "cuda".
     quantize: weights kept quantized at run time (CPU; forklm/models/quant.py, README "Quantized
-    weights"): "int8" (per output channel), "int4" (groups of 32), "gguf" (a GGUF file's Q4_1 blocks
+    weights"): "int8" (per output channel), "int4" (groups of 32; embedding/LM head int8), "gguf" (a GGUF file's Q4_1 blocks
     as stored, Q8_0 re-quantized to int8 per channel), None; "auto" (default): "gguf" for a GGUF
     file with quantized blocks on CPU with bfloat16, else None (a fixed rule, no timing probe).
     """

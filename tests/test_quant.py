@@ -216,6 +216,7 @@ def test_random_model_quantized_samples(how):
 
     llm = LLM("random:smollm2-135m", dtype="bfloat16", device="cpu", quantize=how)
     assert llm.quantize == how and isinstance(llm.model.lm_head, QuantizedLinear)
+    assert llm.model.layers[0]["gate_up"].kind == how and llm.model.lm_head.kind == "int8"  # head: int8 (head_format)
     assert llm.model.embed is llm.model.lm_head.dense  # tied: the table is the head's weights
     out = llm.sample([1, 2, 3, 4], n=3, max_tokens=6, seed=0, temperature=0.8)
     again = llm.sample([1, 2, 3, 4], n=3, max_tokens=6, seed=0, temperature=0.8)

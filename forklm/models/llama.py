@@ -20,6 +20,7 @@ from forklm.models.quant import (
     BlockQuantized,
     QuantizedLinear,
     build_matrix,
+    head_format,
     kernels_pay_off,
     linear,
 )
@@ -156,17 +157,17 @@ class LlamaModel:
         def transposed(w: torch.Tensor) -> torch.Tensor:  # into the chosen layout
             return w.t().contiguous() if self.weight_layout == "in_out" else w.contiguous()
 
-        def matrix(*names: str) -> torch.Tensor | QuantizedLinear:  # fused rows of these, run-time format
+        def matrix(*names: str, how: str | None = quantize) -> torch.Tensor | QuantizedLinear:  # fused rows, run-time format
             if quantize is None:
                 return transposed(torch.cat([take(n) for n in names], dim=0))
-            w = build_matrix([raw(n) for n in names], quantize, dtype, device)
+            w = build_matrix([raw(n) for n in names], how, dtype, device)
             return w if isinstance(w, QuantizedLinear) else transposed(w)
 
         tied = not ("lm_head.weight" in weights and not c.tie_word_embeddings)
         tied_head = None
         if quantize is not None and tied:
             # the table is the quantized head's weights (dequantized; the dense copy when kernels run)
-            tied_head = build_matrix([raw("model.embed_tokens.weight")], quantize, dtype, device)
+            tied_head = build_matrix([raw("model.embed_tokens.weight")], head_format(quantize), dtype, device)
             self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
         else:
             self.embed = take("model.embed_tokens.weight")  # [V, H]
@@ -201,7 +202,7 @@ class LlamaModel:
             )
         self.norm = take("model.norm.weight")
         if not tied:
-            self.lm_head = matrix("lm_head.weight")  # [H, V]
+            self.lm_head = matrix("lm_head.weight", how=head_format(quantize))  # [H, V]
         else:
             weights.pop("lm_head.weight", None)
             # tied: a transposed copy for "in_out", the table itself for "out_in"
