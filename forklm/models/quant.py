@@ -62,16 +62,27 @@ def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.dev
     if q == "none":
         return None
     if q == "auto":
-        if device.type != "cpu" or dtype != torch.bfloat16:
+        if device.type != "cpu" or dtype != torch.bfloat16 or not kernels_available():
             return None
         return "gguf" if has_gguf_blocks is not False else None
     if device.type != "cpu":
         raise InvalidArgumentError(
             f"quantize={quantize!r} uses PyTorch's CPU kernels and is supported on device 'cpu' only, got {device}"
         )
+    if not kernels_available():
+        raise InvalidArgumentError(
+            f"quantize={quantize!r} needs PyTorch's int8/int4 CPU kernels (PyTorch 2.6 or newer; tested with 2.13.0), "
+            f"which this PyTorch {torch.__version__} lacks"
+        )
     if q == "gguf" and has_gguf_blocks is False:
         raise InvalidArgumentError("quantize='gguf' keeps a GGUF file's quantized blocks: give a .gguf model")
     return q
+
+
+def kernels_available() -> bool:
+    ops = torch.ops.aten
+    return all(hasattr(ops, name) for name in
+               ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
 
 
 # ----------------------------------------------------------------------------- GGUF blocks as stored
