@@ -19,6 +19,7 @@ variation distance), lengths, and the mean log-prob per token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -84,6 +85,26 @@ def _validates(text: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _timed_decode_attention(acc: list[float]):
+    """Adds the time spent in the decode rows' attention (all layers) to acc[0] while active."""
+    from forklm.attention.paged import PagedAttention
+
+    original = PagedAttention._decode
+
+    def timed(self, *args):
+        t = time.perf_counter()
+        out = original(self, *args)
+        acc[0] += time.perf_counter() - t
+        return out
+
+    PagedAttention._decode = timed
+    try:
+        yield
+    finally:
+        PagedAttention._decode = original
+
+
 def run_mode(llm, mode: str, n: int, max_tokens: int, seed: int, length: int | None = None) -> dict:
     """One request of n samples on a fresh engine, every step timed."""
     from forklm import Request
@@ -96,14 +117,15 @@ def run_mode(llm, mode: str, n: int, max_tokens: int, seed: int, length: int | N
     engine = llm.engine()
     masks = engine.output.masks
     st = engine.add_request(llm.prompt_token_ids(PROMPT), req.params())
-    step_s, rows = [], []
+    step_s, rows, attention = [], [], [0.0]
     t0 = time.perf_counter()
-    while engine.has_unfinished():
-        running = sum(len(r.running) for r in engine.active)
-        t = time.perf_counter()
-        engine.step()
-        step_s.append(time.perf_counter() - t)
-        rows.append(running)
+    with _timed_decode_attention(attention):
+        while engine.has_unfinished():
+            running = sum(len(r.running) for r in engine.active)
+            t = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - t)
+            rows.append(running)
     wall = time.perf_counter() - t0
     engine.check_integrity()
     assert engine.blocks_in_use() == 0
@@ -115,7 +137,10 @@ def run_mode(llm, mode: str, n: int, max_tokens: int, seed: int, length: int | N
     out = {
         "mode": mode,
         "steps": engine.metrics.steps,
+        "extends": engine.metrics.extends,
+        "extend_tokens": engine.metrics.extend_tokens,
         "wall_s": round(wall, 3),
+        "decode_attention_s": round(attention[0], 3),
         "tokens": sum(lengths),
         "tokens_per_sample_mean": round(statistics.mean(lengths), 2),
         "tokens_per_sample_max": max(lengths),
