@@ -11,12 +11,13 @@ Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
            the same q, no re-rounding of the weights (the test checks the dequantized weights equal
            the float loader's bit for bit where the scales are held in float32).
     GGUF Q8_0 (w = d·q per block of 32, q int8) has no exact PyTorch kernel (the int8 kernel scales
-           per output channel only): as a product it is re-quantized to int8 per channel (lossy,
-           reported in the README); its embedding lookup dequantizes the stored blocks exactly.
+           per output channel only): it is re-quantized to int8 per channel (lossy, reported in the
+           README); a tied embedding looks its rows up in the same re-quantized weights.
 
 Both kernels want scales in the activation dtype. Measured on a 2-core AVX512-BF16 EPYC (forklm/
 bench/quant_kernels.py, README "Quantized weights"): with bfloat16 activations they beat a dense
-bfloat16 product for skinny steps (T = 1: 2-4.5x) and lose from about T = 16-32 on (2x at T = 64);
+bfloat16 product for skinny steps (T = 1: 1.9-4.2x), tie at T = 8 and lose from T = 12-16 on (2x
+at T = 64; the int4 LM head wins up to T = 12);
 with float32 activations they are 5-50x slower than a dense float32 product at every T. Hence the
 fixed rule: a `QuantizedLinear` runs the kernel for steps of at most `max_rows` rows and a dense copy
 (the same dequantized weights in the model dtype) above; on float32 the quantized weights are
