@@ -32,7 +32,7 @@ def smollm2_f32(smollm2_gguf):
     """The default model in float32 on CPU, loaded once for the whole session."""
     from forklm import LLM
 
-    return LLM("smollm2-135m", dtype="float32", device="cpu")
+    return LLM("smollm2-135m", dtype="float32", device="cpu", quantize=None)  # the float reference: dense
 
 
 def tiny_llama(vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,

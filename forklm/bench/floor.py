@@ -112,18 +112,6 @@ def measure_ceilings(
 
 
 # ---------------------------------------------------------------------- the model's side
-def step_weight_bytes(num_weight_bytes: int, config: ModelConfig, element_bytes: int, embed_is_lm_head: bool) -> int:
-    """Weight bytes one decode step must read.
-
-    `num_weight_bytes` (LlamaModel.num_weight_bytes()) counts every stored tensor once: the
-    embedding table (only looked up, b rows, so taken out here, unless it is also the lm_head,
-    which is read whole: tied weights in the "out_in" layout) and the lm_head.
-    """
-    if embed_is_lm_head:
-        return num_weight_bytes
-    return num_weight_bytes - config.vocab_size * config.hidden_size * element_bytes
-
-
 def matmul_parameters(config: ModelConfig) -> int:
     """Parameters that take part in a matrix product per token: all but the embedding lookup and norms."""
     embed_lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size

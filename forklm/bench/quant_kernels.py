@@ -46,8 +46,8 @@ def run(rows: list[int], float32_kernel_rows: list[int]) -> dict:
         w = torch.randn(n, k) * 0.05
         w32_t = w.t().contiguous()  # float32 runs transposed (llama.weight_layout_for)
         wbf = w.to(torch.bfloat16)
-        q = {("int8", torch.bfloat16): int8_from_float(w, torch.bfloat16, keep_dense=False),
-             ("int4", torch.bfloat16): int4_from_float(w, torch.bfloat16, keep_dense=False),
+        q = {("int8", torch.bfloat16): int8_from_float(w, torch.bfloat16, keep_dense=False, max_rows=1 << 30),
+             ("int4", torch.bfloat16): int4_from_float(w, torch.bfloat16, keep_dense=False, max_rows=1 << 30),
              ("int8", torch.float32): int8_from_float(w, torch.float32, keep_dense=False),
              ("int4", torch.float32): int4_from_float(w, torch.float32, keep_dense=False)}
         for T in rows:
@@ -55,12 +55,15 @@ def run(rows: list[int], float32_kernel_rows: list[int]) -> dict:
             xbf = x32.to(torch.bfloat16)
             p = {"shape": name, "in": k, "out": n, "T": T,
                  "dense_float32": time_ms(lambda x=x32, w=w32_t: torch.matmul(x, w)),
+                 "dense_float32_out_in": time_ms(lambda x=x32, w=w: F.linear(x, w)),
                  "dense_bfloat16": time_ms(lambda x=xbf, w=wbf: F.linear(x, w))}
             for kind in ("int8", "int4"):
                 ql = q[(kind, torch.bfloat16)]
                 p[f"{kind}_bfloat16"] = time_ms(lambda x=xbf, ql=ql: ql.kernel(x))
                 ref = xbf.double() @ ql.dequantize().double().t()
                 p[f"{kind}_bfloat16_rel_err"] = float((ql.kernel(xbf).double() - ref).norm() / ref.norm())
+                # a float32 model's call: activations rounded to bfloat16, the product widened back
+                p[f"{kind}_float32_model"] = time_ms(lambda x=x32, ql=ql: ql(x))
                 if T in float32_kernel_rows:
                     ql32 = q[(kind, torch.float32)]
                     p[f"{kind}_float32"] = time_ms(lambda x=x32, ql=ql32: ql.kernel(x), min_time=0.05, max_reps=10)

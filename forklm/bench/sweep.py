@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from forklm.bench.machine import cpu_model
-from forklm.bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes, step_weight_bytes
+from forklm.bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes
 from forklm.bench.memory import PeakMemory
 
 TEMPERATURE = 0.8
@@ -356,16 +356,14 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
     """
     forklm = ForkLMRunner(llm)
     e = torch.finfo(llm.dtype).bits // 8
-    weight_bytes = step_weight_bytes(
-        llm.model.num_weight_bytes(), llm.config, e, llm.model.lm_head is llm.model.embed
-    )
     impls = [f"forklm-{p}" for p in cfg.paths] + ([HF_IMPL] if cfg.transformers else [])
     limit = llm.config.max_position_embeddings
     points = []
     for m_c in cfg.contexts:
         prompt = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, m_c)
         for n in cfg.ns:
-            floor = step_floor(llm.config, weight_bytes, e, n, m_c, cfg.new_tokens, ceilings)
+            # weights as a step of n rows reads them (quantized: packed up to the kernel's rows)
+            floor = step_floor(llm.config, llm.model.step_weight_bytes(n), e, n, m_c, cfg.new_tokens, ceilings)
             runs: dict[str, list[Measured]] = {impl: [] for impl in impls}
             skips: dict[str, str | None] = {impl: None for impl in impls}
             if m_c + cfg.new_tokens > limit:

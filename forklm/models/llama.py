@@ -229,6 +229,20 @@ class LlamaModel:
         unique = {t.data_ptr(): t for t in tensors}  # a tied lm_head may be the embedding itself
         return sum(t.numel() * t.element_size() for t in unique.values())
 
+    def step_weight_bytes(self, rows: int) -> int:
+        """Weight bytes a forward of `rows` rows reads: every matrix once in the form that runs at
+        that many rows (a QuantizedLinear's packed weights and scales up to its `max_rows`, its dense
+        copy above), norms and biases; the embedding table only as a separate LM head reads it."""
+        def read(t) -> int:
+            if isinstance(t, QuantizedLinear):
+                if t.dense is not None and rows > t.max_rows:
+                    return t.dense.numel() * t.dense.element_size()
+                return t.qweight.numel() * t.qweight.element_size() + t.scales.numel() * t.scales.element_size()
+            return t.numel() * t.element_size()
+
+        tensors = [self.norm, self.lm_head] + [t for layer in self.layers for t in layer.values() if t is not None]
+        return sum(read(t) for t in tensors)
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed) [T, 1, D] in the model dtype for these positions (see apply_rope), from
         tables computed as transformers computes each position (float32, then rounded), grown on demand."""

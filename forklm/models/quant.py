@@ -27,6 +27,7 @@ dequantized at load and run dense (the accuracy of the quantized weights, no spe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,25 @@ QUANTIZE_CHOICES = ("int8", "int4", "gguf", "auto")
 # kernel longer: it is the one product bound by weight bytes well past a few rows.
 KERNEL_MAX_ROWS = {"int4": 4, "int8": 4}
 KERNEL_MAX_ROWS_WIDE = {"int4": 12, "int8": 4}  # out_features >= WIDE_OUT (the LM head)
+# A float32 model (CPUs without native bfloat16): the kernels take its activations rounded to
+# bfloat16, and the dense copy is float32, much slower per row than bfloat16 on skinny products.
+# Measured end to end on a 2-core AVX2 EPYC (decode steps of SmolLM2-135M, README "Quantized
+# weights"): a float32 step streams 425 MB of layer weights, so the kernels' 8x fewer bytes win up to
+# T = 16 rows (n = 8: 59 vs 86 ms a step, n = 16: 97 vs 135) and lose from 32 (187 vs 170); the
+# LM head's int4 kernel still wins at T = 64 (260 vs 292 ms). A product timed alone, its weights hot
+# in cache (bench/results/quant_kernels_cpu_avx2.json), favours the dense copy from T = 8.
+KERNEL_MAX_ROWS_F32 = {"int4": 16, "int8": 16}
+KERNEL_MAX_ROWS_F32_WIDE = {"int4": 64, "int8": 16}
 WIDE_OUT = 16384
+
+
+def kernel_max_rows(kind: str, out_features: int, dense_dtype: torch.dtype) -> int:
+    """Rows per step at or below which a product runs the quantized kernel (a fixed rule, measured:
+    README "Quantized weights")."""
+    wide = out_features >= WIDE_OUT
+    if dense_dtype == torch.float32:
+        return (KERNEL_MAX_ROWS_F32_WIDE if wide else KERNEL_MAX_ROWS_F32)[kind]
+    return (KERNEL_MAX_ROWS_WIDE if wide else KERNEL_MAX_ROWS)[kind]
 
 
 def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.device,
@@ -49,7 +68,7 @@ def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.dev
     """The quantization to apply: None, "int8", "int4" or "gguf" (GGUF blocks as stored).
 
     "auto": a fixed rule of the device and dtype (itself a rule of the CPU's features, see
-    `forklm.device.resolve_dtype`), never a timing probe: "gguf" on CPU with bfloat16 activations
+    `forklm.device.resolve_dtype`), never a timing probe: "gguf" on CPU (bfloat16 or float32 models)
     when the file stores quantized blocks (the kernels measure faster there), else None.
     has_gguf_blocks None: not known yet (the caller loads the file with its blocks kept).
     """
@@ -63,7 +82,7 @@ def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.dev
     if q == "none":
         return None
     if q == "auto":
-        if device.type != "cpu" or dtype != torch.bfloat16 or not kernels_available():
+        if not kernels_pay_off(dtype, device) or not kernels_available():
             return None
         return "gguf" if has_gguf_blocks is not False else None
     if device.type != "cpu":
@@ -159,20 +178,21 @@ class QuantizedLinear:
 
     def __init__(self, kind: str, qweight: torch.Tensor, scales: torch.Tensor, out_features: int,
                  in_features: int, dtype: torch.dtype, max_rows: int | None = None, keep_dense: bool = True,
-                 values: torch.Tensor | None = None):  # values: the dequantized weights, if at hand
+                 values: torch.Tensor | None = None,  # values: the dequantized weights, if at hand
+                 dense_dtype: torch.dtype | None = None):  # the model's dtype; None: `dtype`
         self.kind = kind  # "int8" | "int4"
         self.qweight = qweight  # int8 [out, in] | int4-packed uint8 [out, in/2]
         self.scales = scales  # int8: [out]; int4: [in/32, out, 2] (scale, zero), in `dtype`
         self.out_features = out_features
         self.in_features = in_features
-        self.dtype = dtype
+        self.dtype = dtype  # the kernel's activations and scales
+        self.dense_dtype = dense_dtype or dtype  # the model's activations and the dense copy
         if max_rows is None:
-            table = KERNEL_MAX_ROWS_WIDE if out_features >= WIDE_OUT else KERNEL_MAX_ROWS
-            max_rows = table[kind]
+            max_rows = kernel_max_rows(kind, out_features, self.dense_dtype)
         self.max_rows = max_rows
         self.dense = None
         if keep_dense:
-            self.dense = (self.dequantize() if values is None else values).to(dtype)
+            self.dense = (self.dequantize() if values is None else values).to(self.dense_dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -187,7 +207,10 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_rows:
             return F.linear(x, self.dense, bias)
-        y = self.kernel(x.contiguous())
+        if x.dtype == self.dtype:
+            y = self.kernel(x.contiguous())
+        else:  # a float32 model: activations rounded to the kernel's bfloat16, the product widened back
+            y = self.kernel(x.to(self.dtype)).to(x.dtype)
         return y if bias is None else y + bias
 
     def dequantize(self) -> torch.Tensor:
@@ -220,6 +243,18 @@ def _int4_values(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
 _checked_layouts: set[tuple[int, int]] = set()
 
 
+@lru_cache(maxsize=1)
+def int4_pack_block() -> int:
+    """Rows per block of PyTorch's CPU int4 layout: it depends on the CPU capability the kernel was
+    dispatched for (64 with AVX-512, 32 with AVX2 in PyTorch 2.13). Found by packing a probe once."""
+    probe = torch.arange(64 * 32, dtype=torch.int32).view(64, 32) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2)
+    for block in (64, 32):
+        if torch.equal(_unpack_blocks(packed, 64, 32, block), probe.to(torch.uint8)):
+            return block
+    raise RuntimeError("this PyTorch's int4 CPU packing is neither layout forklm reads back")
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [out, in] in 0..15 -> PyTorch's CPU int4 layout (checked against `unpack_int4` once per
     shape and process)."""
@@ -232,14 +267,17 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """Inverse of `_convert_weight_to_int4pack_for_cpu` (PyTorch 2.13, CPU): rows in blocks of 64;
-    within a block, byte (k, j) holds row j in its low nibble and row j + 32 in its high nibble.
-    `pack_int4` checks this on every weight it packs, so a changed layout is an error, not wrong
-    numbers."""
-    n, k = out_features, in_features
-    if n % 64:
-        raise InvalidArgumentError(f"int4 weights need out_features divisible by 64, got {n}")
-    b = packed.view(n // 64, k, 32)
+    """Inverse of `_convert_weight_to_int4pack_for_cpu` (PyTorch 2.13, CPU): rows in blocks of B
+    (`int4_pack_block()`: 64 on AVX-512, 32 on AVX2); within a block, byte (k, j) holds row j in its
+    low nibble and row j + B/2 in its high nibble. `pack_int4` checks this on every weight it packs,
+    so a changed layout is an error, not wrong numbers."""
+    if out_features % 64:
+        raise InvalidArgumentError(f"int4 weights need out_features divisible by 64, got {out_features}")
+    return _unpack_blocks(packed, out_features, in_features, int4_pack_block())
+
+
+def _unpack_blocks(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    b = packed.view(n // block, k, block // 2)
     lo, hi = b & 0x0F, b >> 4
     return torch.cat([lo, hi], dim=2).permute(0, 2, 1).reshape(n, k)
 
@@ -328,10 +366,15 @@ def head_format(how: str | None) -> str | None:
 
 
 def kernels_pay_off(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether quantized weights run on the kernels (else they are dequantized at load): CPU with
-    bfloat16 activations (a fixed rule: with float32 activations both kernels measured slower than a
-    dense float32 product at every T, see module docstring)."""
-    return device.type == "cpu" and dtype == torch.bfloat16
+    """Whether quantized weights run on the kernels (else they are dequantized at load): on CPU, for
+    bfloat16 and float32 models alike (a float32 model's activations are rounded to bfloat16 for the
+    kernel: the kernels' float32 variants measured 5-50x slower than a dense float32 product)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activation (and scale) dtype the kernels run in for a model of `dtype`."""
+    return torch.bfloat16
 
 
 def build_matrix(parts: list, how: str, dtype: torch.dtype, device: torch.device):
@@ -351,7 +394,7 @@ def build_matrix(parts: list, how: str, dtype: torch.dtype, device: torch.device
         else:
             values = quantize_weight(w, how, torch.float32, keep_dense=False).dequantize()
         return values.to(device=device, dtype=dtype)
-    return quantize_weight(w, how, dtype)
+    return quantize_weight(w, how, kernel_dtype(dtype), dense_dtype=dtype)
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
