@@ -14,7 +14,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (CUDA) (default: auto)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
     p.add_argument("--quantize", default="auto",
-                   help="weights kept quantized at run time (CPU): auto, none, int8, int4, gguf (a GGUF file's blocks as stored) (default: auto: gguf for a quantized .gguf on CPU with bfloat16, else none)")
+                   help="weights kept quantized at run time (CPU): auto, none, int8, int4, gguf (a GGUF file's blocks as stored) (default: auto: gguf for a quantized .gguf on CPU, else none)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@ agreement over 256 tokens on a fixed set of prompts (README "Quantized weights")
 Configurations (CPU): float32 (the reference: the model file's weights dequantized to float32),
 bfloat16 (dense; what bfloat16 alone costs), and with bfloat16 activations: gguf (the file's Q4_1
 blocks as stored, the Q8_0 embedding/LM head re-quantized to int8 per channel), int8, int4
-(re-quantized from the float32 weights). Per configuration:
+(re-quantized from the float32 weights); and the same three on a float32 model ("float32+gguf", ...:
+the kernels on activations rounded to bfloat16, float32 everywhere else). Per configuration:
     perplexity        exp(mean NLL of each next token) of the text in `bench/data/public_domain_text.txt`,
                       from one forward over the whole text (T > 4 rows: the dense copies of the
                       quantized weights, the same values the kernels use)
@@ -46,6 +47,10 @@ CONFIGS = {  # name: (dtype, quantize)
     "gguf": ("bfloat16", "gguf"),
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
+    # float32 models (CPUs without native bfloat16): the kernels on activations rounded to bfloat16
+    "float32+gguf": ("float32", "gguf"),
+    "float32+int8": ("float32", "int8"),
+    "float32+int4": ("float32", "int4"),
 }
 
 

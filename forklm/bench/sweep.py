@@ -573,7 +573,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise ValueError(f"--llama-cpp needs a .gguf model (llama.cpp reads only GGUF files); {args.model} "
                              f"resolves to {llm.source}")
         llama_cpp = LlamaCppPeer(llama_binary, Path(llm.source), torch.get_num_threads())
-        _note(f"llama.cpp peer: {llama_binary}, {llama_cpp.threads} threads; forklm runs the GGUF dequantized to {dtype}")
+        _note(f"llama.cpp peer: {llama_binary}, {llama_cpp.threads} threads; forklm runs the same file in {dtype}, "
+              f"quantize={llm.quantize or 'none'}")
     out = Path(args.out or f"bench/results/sweep_{llm.device.type}_{dtype}.json")
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
 
