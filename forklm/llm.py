@@ -93,7 +93,7 @@ class LLM:
     quantize: weights kept quantized at run time (CPU; forklm/models/quant.py, README "Quantized
     weights"): "int8" (per output channel), "int4" (groups of 32; embedding/LM head int8), "gguf" (a GGUF file's Q4_1 blocks
     as stored, Q8_0 re-quantized to int8 per channel), None; "auto" (default): "gguf" for a GGUF
-    file with quantized blocks on CPU with bfloat16, else None (a fixed rule, no timing probe).
+    file with quantized blocks on CPU, else None (a fixed rule, no timing probe).
     """
 
     def __init__(

@@ -88,9 +88,11 @@ def fail_forward_call(monkeypatch, model, call: int) -> None:
 
 @pytest.fixture(scope="session")
 def forklm_server(smollm2_gguf):
-    """One `forklm serve` of the default model (float32, API key "test-key") for the session."""
+    """One `forklm serve` of the default model (float32 dense, as the `smollm2_f32` reference it is
+    compared with; API key "test-key") for the session."""
     from forklm.server.process import ServerProcess
 
-    server = ServerProcess("--dtype", "float32", "--device", "cpu", "--memory-gib", "1", api_key="test-key")
+    server = ServerProcess("--dtype", "float32", "--device", "cpu", "--quantize", "none", "--memory-gib", "1",
+                           api_key="test-key")
     yield server
     server.stop()

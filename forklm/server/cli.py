@@ -15,7 +15,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (CUDA) (default: auto)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
     p.add_argument("--quantize", default="auto",
-                   help="weights kept quantized at run time (CPU): auto, none, int8, int4, gguf (a GGUF file's blocks as stored) (default: auto: gguf for a quantized .gguf on CPU with bfloat16, else none)")
+                   help="weights kept quantized at run time (CPU): auto, none, int8, int4, gguf (a GGUF file's blocks as stored) (default: auto: gguf for a quantized .gguf on CPU, else none)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("FORKLM_API_KEY"),
