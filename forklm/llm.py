@@ -19,6 +19,7 @@ from forklm.models.registry import DEFAULT_MODEL, load_model_files
 from forklm.outputs import SampleOutput
 from forklm.sampling.constraints import make_constraint
 from forklm.sampling.params import SamplingParams
+from forklm.speculative.config import SpeculativeConfig
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -45,6 +46,7 @@ class Request:
     grammar: str | None = None  # a Lark grammar (llguidance's dialect; GBNF too)
     choice: Sequence[str] | None = None  # the text is one of these strings
     jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
+    speculative: bool = True  # may speculate where the engine does (False: one token per step)
 
     @classmethod
     def from_any(cls, spec: Any, position: int = 0) -> "Request":
@@ -76,6 +78,7 @@ class Request:
             constraint=make_constraint(json_schema=self.json_schema, regex=self.regex, grammar=self.grammar,
                                        choice=self.choice),
             jump_forward=self.jump_forward,
+            speculative=self.speculative,
         )
 
 
@@ -94,6 +97,9 @@ class LLM:
     weights"): "int8" (per output channel), "int4" (groups of 32; embedding/LM head int8), "gguf" (a GGUF file's Q4_1 blocks
     as stored, Q8_0 re-quantized to int8 per channel), None; "auto" (default): "gguf" for a GGUF
     file with quantized blocks on CPU, else None (a fixed rule, no timing probe).
+    speculative: speculative sampling on this LLM's engines (README "Speculative sampling"): None
+    (off), "ngram", or a dict / `SpeculativeConfig` ({"method": "ngram", "num_draft_tokens":
+    "auto" | k}); the samples are token for token those of decoding without it.
     """
 
     def __init__(
@@ -103,7 +109,9 @@ class LLM:
         dtype: str | torch.dtype | None = "auto",
         device: str | torch.device | None = "auto",
         quantize: str | None = "auto",
+        speculative: SpeculativeConfig | dict | str | None = None,
     ) -> None:
+        self.speculative = SpeculativeConfig.from_any(speculative)  # checked before loading
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         asked = resolve_quantize(quantize, self.dtype, self.device)  # checks the value before loading
@@ -174,6 +182,7 @@ class LLM:
         grammar: str | None = None,
         choice: Sequence[str] | None = None,
         jump_forward: bool = True,
+        speculative: SpeculativeConfig | dict | str | bool | None = None,
     ) -> SampleOutput:
         """Draws n samples of one prompt on the engine: the prompt is prefilled once (or found in
         the prefix cache), its KV shared by the n samples and read once per decode step.
@@ -185,12 +194,18 @@ class LLM:
         (a sample whose constraint is complete ends with finish_reason "stop").
         jump_forward: a run of tokens the constraint forces is appended in one step (README,
         "Constrained decoding"); False draws every token through the mask.
+        speculative: None / True (as this LLM was made), False (no speculation for this call), or
+        a method name / dict / `SpeculativeConfig` (this call runs on an engine speculating so).
         """
+        spec = None if speculative is None or isinstance(speculative, bool) else SpeculativeConfig.from_any(speculative)
         req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos,
-                      top_logprobs, json_schema, regex, grammar, choice, jump_forward)
+                      top_logprobs, json_schema, regex, grammar, choice, jump_forward, speculative is not False)
         params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
-        engine = self.default_engine() if attention == "auto" else self._engine_for(attention)
+        if spec is not None and spec != self.speculative:
+            engine = self._engine_for(attention, spec)
+        else:
+            engine = self.default_engine() if attention == "auto" else self._engine_for(attention)
         self._check_results_memory(params)
         state = engine.add_request(prompt_ids, params)
         try:
@@ -234,7 +249,8 @@ class LLM:
         return [st.output for st in states]
 
     def engine(self, **options: Any) -> Engine:
-        """A new engine over this model (`EngineConfig` options)."""
+        """A new engine over this model (`EngineConfig` options; `speculative` defaults to this LLM's)."""
+        options.setdefault("speculative", self.speculative)
         return Engine(self.model, self.decode, self.eos_token_ids, EngineConfig(**options),
                       has_tokenizer=self.tokenizer is not None)
 
@@ -244,14 +260,17 @@ class LLM:
             self._engine = self.engine()
         return self._engine
 
-    def _engine_for(self, attention: str) -> Engine:
-        """The engine `sample(attention=...)` runs on: one per forced shared-attention path."""
-        if attention not in ("bifurcated", "standard"):
+    def _engine_for(self, attention: str, speculative: SpeculativeConfig | None = None) -> Engine:
+        """The engine `sample(attention=..., speculative=...)` runs on: one per forced
+        shared-attention path and speculative configuration."""
+        if attention not in ("auto", "bifurcated", "standard"):
             raise InvalidArgumentError(f"attention must be one of ('auto', 'bifurcated', 'standard'), got {attention!r}")
+        spec = speculative if speculative is not None else self.speculative
         engines = self.__dict__.setdefault("_engines_by_attention", {})
-        if attention not in engines:
-            engines[attention] = self.engine(shared_attention=attention)
-        return engines[attention]
+        key = (attention, spec)
+        if key not in engines:
+            engines[key] = self.engine(shared_attention=attention, speculative=spec)
+        return engines[key]
 
     def clear_prefix_cache(self) -> None:
         """Forgets the cached prompts of this LLM's engines (benchmarks time cold prefills)."""

@@ -47,6 +47,8 @@ from forklm.outputs import SampleOutput
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sample_state import SampleState, to_sample
 from forklm.sampling.seeds import fresh_seed
+from forklm.speculative.config import SpeculativeConfig
+from forklm.speculative.speculator import Speculator
 
 SCHEDULES = ("cache-aware", "fcfs")
 SHARED_ATTENTION = ("auto", "bifurcated", "standard")
@@ -69,6 +71,9 @@ class EngineConfig:
     decode_kernel: str = "auto"  # decode attention: "torch" (attend_segment per segment) or "triton" (one fused kernel)
     max_num_seqs: int = 256  # running sequences (decode rows) at most; more samples wait for a slot
     lane_ahead_tokens: int = 256  # a sample's own blocks are reserved this far ahead, as one run, while blocks are plentiful
+    # speculative sampling (README "Speculative sampling"): None (off), a method name ("ngram"), a
+    # dict of `SpeculativeConfig` fields, or a SpeculativeConfig
+    speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -89,6 +94,7 @@ class EngineConfig:
             raise InvalidArgumentError(f"lane_ahead_tokens must be an integer >= 0, got {self.lane_ahead_tokens!r}")
         if not 0 < self.memory_fraction <= 1:
             raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        self.speculative = SpeculativeConfig.from_any(self.speculative)
 
 
 @dataclass
@@ -102,6 +108,7 @@ class EngineMetrics:
     shared_reads: int = 0  # decode segment reads shared by several rows (bifurcated)
     extends: int = 0  # multi-token extends run (a sample's drawn token and its known run in one step)
     extend_tokens: int = 0  # tokens computed in them
+    speculative: object = None  # SpeculativeMetrics when the engine speculates (acceptance, tokens per step, times)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -141,13 +148,15 @@ class Engine:
         self.kv_manager = KVManager(self.kv, num_blocks, cfg.block_size, cfg.prefix_cache, cfg.lane_ahead_tokens)
         self.pool, self.radix = self.kv_manager.pool, self.kv_manager.radix
         self.metrics = EngineMetrics()
-        self.scheduler = Scheduler(cfg, self.kv_manager, self.metrics)
+        self.speculator = Speculator(cfg.speculative) if cfg.speculative is not None else None
+        self.metrics.speculative = self.speculator.metrics if self.speculator is not None else None
+        self.scheduler = Scheduler(cfg, self.kv_manager, self.metrics, self.speculator)
         planner = StepPlanner(
             cfg.block_size, cfg.shared_attention, model.device, self.decode_kernel,
             model.config.num_heads, model.config.num_kv_heads,
         )
         self.runner = ModelRunner(model, self.kv, planner)
-        self.output = OutputProcessor(decode, eos_token_ids)
+        self.output = OutputProcessor(decode, eos_token_ids, self.speculator)
         self.requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._lock = threading.Lock()  # guards cancel flags set from other threads
@@ -221,14 +230,16 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestState]:
         """One scheduling round and forward pass; returns the requests that ended in it."""
+        t0 = time.perf_counter()
         finished = self._end_cancelled()
         batch = self.scheduler.schedule()
         if batch.empty:
             return finished
         self.metrics.steps += 1
         if batch.extend:
-            self.metrics.extends += len(batch.extend)
-            self.metrics.extend_tokens += sum(seq.num_pending for seq in batch.extend)
+            known = [seq for seq in batch.extend if not seq.draft]  # drafts are counted by the speculator
+            self.metrics.extends += len(known)
+            self.metrics.extend_tokens += sum(seq.num_pending for seq in known)
         self.output.prepare(batch)  # grammar masks on a worker thread while the model runs
         try:
             out = self.runner.run(batch)
@@ -238,7 +249,10 @@ class Engine:
         self.metrics.computed_tokens += out.num_tokens
         self.metrics.shared_reads += out.shared_reads
         result = self.output.process(batch, out)
-        return finished + self._apply(result)
+        ended = finished + self._apply(result)
+        if self.speculator is not None:
+            self.speculator.observe_step(out.num_tokens, time.perf_counter() - t0)
+        return ended
 
     def run(self) -> None:
         """Steps until every request has finished."""
@@ -265,6 +279,12 @@ class Engine:
     def _apply(self, result: StepResult) -> list[RequestState]:
         """Hands the step's outcome to the KV manager and ends finished and failed requests."""
         failed = result.failed
+        for seq in result.rolled_back:  # verified drafts: blocks taken only for rejected tokens go back
+            if id(seq.request) in failed or not seq.block_table:
+                continue
+            keep = max(seq.blocks_before, -(-(seq.num_computed + 1) // self.block_size))
+            if self.kv_manager.trim(seq, keep):
+                self.runner.forget(seq)  # the planner's cached tail runs may list freed blocks
         for req in result.prompts_done:
             if id(req) in failed:
                 continue
@@ -319,6 +339,7 @@ class Engine:
         req.running = []
         req.pending = []
         req.prompt_seq = None
+        req.spec_state = None
         self.kv_manager.release_prompt(req)
         self.scheduler.remove(req)
         req.status = Status.FINISHED

@@ -189,6 +189,17 @@ class KVManager:
             seq.block_table.extend(blocks)
         return True
 
+    def trim(self, seq: Sequence, keep_blocks: int) -> int:
+        """Rollback after draft verification: frees the sequence's blocks past its first
+        `keep_blocks` (those taken only for rejected draft tokens); returns how many it freed.
+        The freed blocks never entered the prefix cache (only computed, verified tokens do, when
+        the sequence is released)."""
+        extra = seq.block_table[keep_blocks:]
+        if extra:
+            self.pool.decref(extra)
+            del seq.block_table[keep_blocks:]
+        return len(extra)
+
     # ------------------------------------------------------------------ the prefix cache
     def prompt_done(self, req: RequestState) -> None:
         """The prompt's KV is complete: cache its full blocks at once, so siblings and other

@@ -38,11 +38,13 @@ from forklm.sampling.sample_state import (
     accept_ahead,
     check_finished,
     draw_rows,
+    draw_tokens,
     jump_forward,
     stop_token_set,
     to_sample,
 )
 from forklm.sampling.sampler import model_logprobs
+from forklm.speculative.verify import accepted_prefix
 from forklm.tokenizer import Tokenizer
 
 
@@ -53,14 +55,16 @@ class StepResult:
     finished_seqs: list[Sequence] = field(default_factory=list)  # samples that ended (blocks to release)
     failed: dict[int, tuple[RequestState, BaseException]] = field(default_factory=dict)  # id(req) -> (req, error)
     sample_ended: dict[int, RequestState] = field(default_factory=dict)  # requests a sample of which ended
+    rolled_back: list[Sequence] = field(default_factory=list)  # verified drafts: blocks past `keep_blocks` go back
 
     def fail(self, req: RequestState, exc: BaseException) -> None:
         self.failed.setdefault(id(req), (req, exc))
 
 
 class OutputProcessor:
-    def __init__(self, decode: Callable[[list[int]], str], eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], eos_token_ids: tuple[int, ...], speculator=None) -> None:
         self.decode = decode
+        self.speculator = speculator
         self.eos_token_ids = eos_token_ids
         # the engine is handed its tokenizer's bound `decode`; constraints need that vocabulary
         tokenizer = getattr(decode, "__self__", None)
@@ -123,7 +127,11 @@ class OutputProcessor:
             for seq in batch.extend:
                 touched[id(seq.request)] = seq.request
             result.touched = list(touched.values())
-            _, drawing = self._accept_known(batch.extend, out, result)
+            drafted = [seq for seq in batch.extend if seq.draft]
+            known = [seq for seq in batch.extend if not seq.draft] if drafted else batch.extend
+            if drafted:
+                self._verify_drafts(drafted, out, result)
+            _, drawing = self._accept_known(known, out, result) if known else (0, [])
             for seq in drawing:
                 rows.append(row_of_seq[id(seq)])
                 states.append(seq.sample)
@@ -131,6 +139,8 @@ class OutputProcessor:
                 owner.append(seq.request)
         result.touched = list(touched.values())
         if not states:
+            if batch.extend:
+                self._count(result.touched, [], out.shared_reads)
             return result
         for r in result.touched:
             if r.stop_ids is None:
@@ -240,6 +250,103 @@ class OutputProcessor:
             else:
                 drawing.append(seq)
         return accepted, drawing
+
+    def _verify_drafts(self, seqs: list[Sequence], out: StepOutput, result: StepResult) -> None:
+        """Speculative verification of the drafted sequences (`forklm/speculative/verify.py`).
+
+        Each sequence ran its pending token and its k draft tokens as k + 1 rows; row j's logits
+        give the token at the sample's position t + j. The target draws its own token at every
+        row exactly as decoding would (`draw_tokens`: same parameters, same uniform of (seed,
+        sample, t + j)); the draft's leading tokens equal to the drawn ones are accepted, and the
+        first drawn token that differs (or the bonus after a whole draft) is emitted after them.
+        So the sample's tokens are the drawn ones: identical to non-speculative decoding. Each
+        emitted token gets its log-prob from its row, the stop rules and an event; the sequence
+        is cut back to its verified tokens (its computed count too) and reported for rollback."""
+        t0 = time.perf_counter()
+        failed = result.failed
+        live = [seq for seq in seqs if not (failed and id(seq.request) in failed)]
+        rows: list[int] = []
+        params, seeds, indices, steps, stops = [], [], [], [], []
+        for seq in live:
+            st, r = seq.sample, seq.request
+            if r.stop_ids is None:
+                r.stop_ids = stop_token_set(r.params, self.eos_token_ids)
+            k = len(seq.draft)
+            last = out.row_of_seq[id(seq)]
+            t = len(st.token_ids)
+            rows.extend(range(last - k, last + 1))
+            params += [r.params] * (k + 1)
+            seeds += [r.seed] * (k + 1)
+            indices += [st.index] * (k + 1)
+            steps.extend(range(t, t + k + 1))
+            stops += [r.stop_ids] * (k + 1)
+        if not live:
+            return
+        dev = out.logits.device
+        try:
+            picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
+            drawn_t = draw_tokens(picked, params, seeds, indices, steps, stops)
+            lps = model_logprobs(picked, drawn_t).tolist()
+            drawn = drawn_t.tolist()
+            top = None
+            if any(seq.request.params.top_logprobs for seq in live):
+                kt = max(seq.request.params.top_logprobs for seq in live)
+                values, ids = torch.topk(picked, kt, dim=-1)
+                values = values - torch.logsumexp(picked, dim=-1, keepdim=True)
+                top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        except Exception as exc:  # noqa: BLE001 - the verification draw failed: these requests fail
+            for seq in live:
+                result.fail(seq.request, exc)
+            return
+        drafted, accepted, emitted = [], [], []
+        at = 0
+        decode = self.decode
+        for seq in live:
+            st, r = seq.sample, seq.request
+            k = len(seq.draft)
+            span = range(at, at + k + 1)
+            at += k + 1
+            if failed and id(r) in failed:
+                continue
+            a = accepted_prefix(seq.draft, drawn[span.start : span.stop])
+            base = seq.num_computed - k  # tokens through the pending one (whose KV this step computed)
+            kt = r.params.top_logprobs
+            fin, m = False, 0
+            try:
+                for j in span[: a + 1]:
+                    st.token_ids.append(drawn[j])
+                    st.logprobs.append(lps[j])
+                    if kt:
+                        if st.top_logprobs is None:
+                            st.top_logprobs = []
+                        st.top_logprobs.append(top[j][:kt])
+                    m += 1
+                    r.stats.generated_tokens += 1
+                    fin = check_finished(st, r.params, r.stop_ids, decode)
+                    sample = to_sample(st, decode) if fin else None
+                    if r.on_event is not None:
+                        emit(r, TokenEvent(r.request_id, st.index, drawn[j], lps[j], st.finish_reason if fin else None,
+                                           st.top_logprobs[-1] if kt else None, sample))
+                    if fin:
+                        break
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: this request fails
+                result.fail(r, exc)
+                continue
+            # the sequence keeps its verified tokens only: the pending one, then the emitted ones,
+            # of which those equal to draft tokens have their KV computed (the last one is pending)
+            del seq.tokens[base:]
+            seq.tokens.extend(st.token_ids[len(st.token_ids) - m :])
+            seq.num_computed = base + min(m, a)
+            seq.draft = []
+            result.rolled_back.append(seq)
+            drafted.append(k)
+            accepted.append(a)
+            emitted.append(m)
+            if fin:
+                result.sample_ended[id(r)] = r
+                result.finished_seqs.append(seq)
+        if self.speculator is not None and drafted:
+            self.speculator.observe(drafted, accepted, emitted, time.perf_counter() - t0)
 
     def _start_matchers(self, req: RequestState) -> None:
         """Gives each sample of a constrained request its own matcher (at its first draw)."""

@@ -34,6 +34,10 @@ class Sequence:
     block_table: list[int]
     num_computed: int
     sample: SampleState | None = None
+    # speculative sampling, during one step: the draft appended to `tokens` to be verified, and
+    # how many blocks the sequence held before slots were taken for it (what a rollback keeps)
+    draft: list[int] = field(default_factory=list)
+    blocks_before: int = 0
 
     @property
     def num_pending(self) -> int:
@@ -83,6 +87,7 @@ class RequestState:
     output: Any = None  # SampleOutput, once finished
     error: BaseException | None = None  # why it failed, if it did (then `output` is None)
     stop_ids: set[int] | None = None  # token ids that end a sample (the output processor fills it)
+    spec_state: Any = None  # the speculator's per-request drafter state (an n-gram index)
 
     @property
     def unfinished_samples(self) -> list[SampleState]:

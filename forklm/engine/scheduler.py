@@ -5,7 +5,9 @@ Each step (`schedule`), oldest request first:
       the KV manager, preempting the youngest work if blocks run out; a sample whose pending
       tokens are its last drawn one and a run of known ones after it (`SampleState.ahead`: a run
       its grammar forces, jump-forward) *extends* by all of them in one step, as several query
-      rows of the decode step (`ScheduledBatch.extend`), with slots for all of them;
+      rows of the decode step (`ScheduledBatch.extend`), with slots for all of them; with
+      speculative sampling on, decode rows the speculator drafts for extend by their pending
+      token and the draft (`Sequence.draft`, verified by the output processor);
   (b) prompts being prefilled and samples being recomputed take prompt chunks from the token
       budget (`max_batch_tokens`, chunked prefill);
   (c) samples waiting for blocks or a decode row (waves of a large n, preempted samples) start,
@@ -50,10 +52,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config, kv: KVManager, metrics) -> None:  # EngineConfig, EngineMetrics
+    def __init__(self, config, kv: KVManager, metrics, speculator=None) -> None:  # EngineConfig, EngineMetrics, Speculator
         self.config = config
         self.kv = kv
         self.metrics = metrics
+        self.speculator = speculator
         self.waiting: list[RequestState] = []
         self.active: list[RequestState] = []  # PREFILLING / RUNNING, in arrival order
         self.num_running = 0  # sequences in `running` lists (decode rows and their recomputes)
@@ -106,6 +109,8 @@ class Scheduler:
                     batch.decode.append(seq)
                     scheduled.add(id(seq))
         budget -= len(batch.decode)
+        if self.speculator is not None and batch.decode:
+            budget -= self._speculate(batch, budget)
 
         def add_chunk(seq: Sequence) -> None:
             nonlocal budget
@@ -163,6 +168,31 @@ class Scheduler:
         for req in self.waiting:
             req.waited_steps += 1
         return batch
+
+    def _speculate(self, batch: ScheduledBatch, budget: int) -> int:
+        """Drafts for the decode rows (the speculator's), each drafted row becoming an extend of its
+        pending token and its draft, with slots for all of them. Drafts take at most half the
+        budget left (prefill chunks keep the rest) and never preempt: a sequence whose draft
+        slots cannot be had decodes one token. Returns the rows added."""
+        drafts = self.speculator.propose(batch.decode, max(budget, 0) // 2)
+        if not drafts:
+            return 0
+        added = 0
+        moved: set[int] = set()
+        for seq, draft in drafts:
+            before = len(seq.block_table)
+            if not self.kv.ensure_slots(seq, 1 + len(draft), self.margin()):
+                self.kv.trim(seq, before)  # blocks taken on the way go back
+                continue
+            seq.tokens.extend(draft)
+            seq.draft = draft
+            seq.blocks_before = before
+            batch.extend.append(seq)
+            moved.add(id(seq))
+            added += len(draft)
+        if moved:
+            batch.decode = [seq for seq in batch.decode if id(seq) not in moved]
+        return added
 
     def _run(self, req: RequestState, seq: Sequence) -> None:
         req.pending.remove(seq.sample)

@@ -28,6 +28,7 @@ class SamplingParams:
     attention: str = "auto"  # "auto" | "bifurcated" | "standard"
     constraint: Constraint | None = None  # what every sample's text must match (`constraints.make_constraint`)
     jump_forward: bool = True  # a constrained sample appends the runs its grammar forces in one step each
+    speculative: bool = True  # may speculate where the engine does (False: this request decodes one token per step)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,8 @@ class SamplingParams:
             raise bad("constraint", self.constraint, "a Constraint (forklm.sampling.constraints.make_constraint) or None")
         if not isinstance(self.jump_forward, bool):
             raise bad("jump_forward", self.jump_forward, "True or False")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", self.speculative, "True or False")
 
     @property
     def greedy(self) -> bool:

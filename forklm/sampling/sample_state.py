@@ -82,29 +82,9 @@ def draw_rows(
     drawn in one batch (every operation is per row, so the batch does not change a row's draw).
     A constrained row (its state has a matcher) draws only tokens its grammar allows; the
     log-probs recorded stay the model's own."""
-    step_of = [len(s.token_ids) for s in states]
-    constrained = [r for r, s in enumerate(states) if s.matcher is not None]
-    masked = masked_logits(logits, constrained, [states[r].matcher for r in constrained]) if constrained else logits
-    early = [r for r, t in enumerate(step_of) if t < params[r].min_tokens and stop_ids[r]]
-    if early and masked is logits:
-        masked = logits.clone()
-    for r in early:
-        grammar_only = masked[r].clone() if states[r].matcher is not None else None
-        masked[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=logits.device)] = float("-inf")
-        if grammar_only is not None and bool(torch.isneginf(masked[r]).all()):
-            masked[r] = grammar_only  # min_tokens banned all the grammar allows (its end): the grammar wins
-    u = counter_uniforms(seeds, [s.index for s in states], step_of)
-    groups: dict[tuple, list[int]] = {}
-    for r, p in enumerate(params):
-        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
-    if len(groups) == 1:
-        (key,) = groups
-        tokens = sample_tokens(masked, *key, u)
-    else:
-        tokens = torch.empty(len(states), dtype=torch.long, device=logits.device)
-        for key, rows in groups.items():
-            idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            tokens[idx] = sample_tokens(masked.index_select(0, idx), *key, u[idx.cpu()])
+    matchers = [s.matcher for s in states]
+    tokens = draw_tokens(logits, params, seeds, [s.index for s in states], [len(s.token_ids) for s in states],
+                         stop_ids, matchers)
     lps = model_logprobs(logits, tokens)
     tokens_list, lps_list = tokens.tolist(), lps.tolist()
     for st, tok, lp in zip(states, tokens_list, lps_list):
@@ -112,6 +92,43 @@ def draw_rows(
         st.logprobs.append(lp)
     _record_top_logprobs(logits, states, params)
     return tokens_list, lps_list
+
+
+def draw_tokens(
+    logits: torch.Tensor,  # [b, V] float32
+    params: Sequence[SamplingParams],  # per row
+    seeds: Sequence[int],
+    sample_indices: Sequence[int],
+    steps: Sequence[int],  # per row: the position in its sample of the token drawn (tokens it has)
+    stop_ids: Sequence[set[int]],
+    matchers: Sequence[SampleMatcher | None] | None = None,  # per row, constrained rows only
+) -> torch.Tensor:  # [b] int64
+    """The draw itself, a pure function of each row's logits and (seed, sample, step): the token
+    non-speculative decoding draws at that position. Rows whose temperature/top-k/top-p agree are
+    drawn in one batch (every operation is per row). Speculative verification
+    (`forklm/speculative/`) draws here too, so a verified token is the one decoding would draw."""
+    constrained = [r for r, m in enumerate(matchers or ()) if m is not None]
+    masked = masked_logits(logits, constrained, [matchers[r] for r in constrained]) if constrained else logits
+    early = [r for r, t in enumerate(steps) if t < params[r].min_tokens and stop_ids[r]]
+    if early and masked is logits:
+        masked = logits.clone()
+    for r in early:
+        grammar_only = masked[r].clone() if matchers and matchers[r] is not None else None
+        masked[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=logits.device)] = float("-inf")
+        if grammar_only is not None and bool(torch.isneginf(masked[r]).all()):
+            masked[r] = grammar_only  # min_tokens banned all the grammar allows (its end): the grammar wins
+    u = counter_uniforms(seeds, sample_indices, steps)
+    groups: dict[tuple, list[int]] = {}
+    for r, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
+    if len(groups) == 1:
+        (key,) = groups
+        return sample_tokens(masked, *key, u)
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    for key, rows in groups.items():
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        tokens[idx] = sample_tokens(masked.index_select(0, idx), *key, u[idx.cpu()])
+    return tokens
 
 
 def _record_top_logprobs(logits: torch.Tensor, states: Sequence[SampleState], params: Sequence[SamplingParams]) -> None:
