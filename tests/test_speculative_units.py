@@ -116,12 +116,36 @@ def test_cost_rule_turns_drafts_off_where_rows_cost_and_on_where_they_are_free()
         rule.observe_step(rows, 0.03 + 0.0005 * rows)
     rule.accepted, rule.rejected = 7.0, 3.0
     assert rule.choose(7, 1, 1) >= 4
-    # off for probe_every steps, then a short probe
-    rule = CostRule(probe_every=4)
+
+
+def test_cost_rule_sees_a_step_that_jumps_past_the_kernel_threshold():
+    # a quantized model: up to 4 rows on the packed kernel (30 ms), wider steps on the dense copy (90 ms)
+    rule = CostRule()
+    for rows in (1, 2, 3, 4, 5, 8, 12):
+        rule.observe_step(rows, 0.03 if rows <= 4 else 0.09)
+    rule.accepted, rule.rejected = 8.0, 2.0  # alpha 0.8
+    k = rule.choose(7, 1, 1)
+    assert k == 3  # the longest draft that stays on the kernel
+    assert rule.choose(7, 4, 4) == 0  # n = 4: any draft crosses the threshold and triples the step
+
+
+def test_cost_rule_estimates_and_probes():
+    rule = CostRule(probe_every=4, max_probe_every=8)
+    assert rule.estimate(3) is None
+    assert rule.choose(7, 1, 1) == 0  # nothing measured: no drafts until the plain step is timed
+    rule.observe_step(2, 0.02)
+    rule.observe_step(6, 0.06)
+    assert abs(rule.estimate(4) - 0.04) < 1e-12  # interpolated
+    assert abs(rule.estimate(12) - 0.12) < 1e-12  # above: in proportion to rows
+    assert rule.estimate(1) == 0.02  # below: the smallest measured
+    rule = CostRule(probe_every=4, max_probe_every=8)
     for rows in (64, 128, 192, 256):
         rule.observe_step(rows, 0.002 * rows)
     rule.accepted, rule.rejected = 1.0, 9.0
+    # off for probe_every steps, then a short probe; a probe that does not pay doubles the interval
     assert [rule.choose(7, 64, 64) for _ in range(4)] == [0, 0, 0, 2]
+    assert [rule.choose(7, 64, 64) for _ in range(8)] == [0] * 7 + [2]
+    assert [rule.choose(7, 64, 64) for _ in range(8)] == [0] * 7 + [2]  # capped at max_probe_every
 
 
 # ---------------------------------------------------------------------------------- verification

@@ -250,7 +250,7 @@ class Engine:
         self.metrics.shared_reads += out.shared_reads
         result = self.output.process(batch, out)
         ended = finished + self._apply(result)
-        if self.speculator is not None:
+        if self.speculator is not None and not batch.chunks:  # the cost rule times decode steps only
             self.speculator.observe_step(out.num_tokens, time.perf_counter() - t0)
         return ended
 

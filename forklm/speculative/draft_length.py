@@ -4,14 +4,18 @@
 while some sequence accepted its whole draft, else shrink by ceil(l / l_mod) (plus one more on a
 consecutive shrink), never below the batch's largest accepted count nor 1, never above `l_limit`.
 
-`CostRule` turns drafts down where verifying them costs more than they save. Each step's wall
-time is modelled as `c0 + c1 * rows` (rows: query rows of the forward), fitted by least squares
-on the engine's recent steps (a CPU step costs about in proportion to its rows at large n; at
-n = 1 the weights dominate and rows are nearly free). Draft tokens are accepted with probability
-`alpha` each (a geometric run, estimated as accepted / (accepted + rejections)), so a draft of k
-tokens yields (1 - alpha^(k+1)) / (1 - alpha) tokens per sample. It picks the k <= the length
-allowed that maximizes tokens per second; k = 0 turns speculation off for the step. While off,
-every `probe_every` steps it drafts anyway (at most 2 tokens) so alpha stays measured.
+`CostRule` turns drafts down where verifying them costs more than they save. It does not model
+the step's cost, it measures it: the wall time of recent steps for each number of query rows
+seen (steps with prompt chunks left out), since on a CPU the cost of rows is far from linear (a
+quantized model runs skinny products on the packed kernel and wider ones on a dense copy, so a
+step can double in time when drafts push it over that threshold; at large n the step is
+compute-bound and every row costs; at n = 1 the weights dominate and a few rows are nearly
+free). Draft tokens are accepted with probability `alpha` each (a geometric run, estimated as
+accepted / (accepted + rejections)), so a draft of k tokens yields (1 - alpha^(k+1)) / (1 - alpha)
+tokens per sample. It picks the k <= the length allowed that maximizes expected tokens per
+second; k = 0 turns speculation off for the step. While off, it drafts 2 tokens every
+`probe_every` steps (an interval that doubles, up to 256, while probes confirm "off") so that
+alpha and the time of wider steps stay measured.
 """
 
 from __future__ import annotations
@@ -68,16 +72,20 @@ def expected_tokens(alpha: float, k: int) -> float:
 class CostRule:
     """The measured rule: the k that maximizes expected tokens per second of step time."""
 
-    def __init__(self, window: int = 64, probe_every: int = 16) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, seconds) of recent steps
+    def __init__(self, probe_every: int = 16, max_probe_every: int = 256, decay: float = 0.7) -> None:
+        self.time_of: dict[int, float] = {}  # query rows of a step -> its wall time (moving average)
+        self.decay = decay
         self.accepted = 1.0  # prior: one acceptance in two tries
         self.rejected = 1.0
-        self.probe_every = probe_every
+        self.probe_every = self.min_probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self._off_steps = 0
-        self.last_fit: tuple[float, float] | None = None
+        self._probed = False
 
     def observe_step(self, rows: int, seconds: float) -> None:
-        self.samples.append((rows, seconds))
+        """A step of `rows` query rows (no prompt chunks) took `seconds`."""
+        old = self.time_of.get(rows)
+        self.time_of[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def observe_drafts(self, accepted: int, rejections: int) -> None:
         """A step's drafts: tokens accepted, drafts cut by a rejection (decayed to follow drift)."""
@@ -88,44 +96,49 @@ class CostRule:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def fit(self) -> tuple[float, float] | None:
-        """(c0, c1) of step seconds = c0 + c1 * rows over recent steps; None until two row counts
-        have been seen. c0 and c1 are clamped at 0 (noise must not make rows look free or negative)."""
-        if len(self.samples) < 4:
+    def estimate(self, rows: int) -> float | None:
+        """Seconds of a step of `rows` rows: measured, else interpolated between the nearest row
+        counts measured; above the largest, in proportion to rows (pessimistic: wider steps are
+        probed before they are trusted); below the smallest, the smallest's time. None: nothing
+        measured."""
+        t = self.time_of
+        if rows in t:
+            return t[rows]
+        if not t:
             return None
-        xs = [r for r, _ in self.samples]
-        ys = [t for _, t in self.samples]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if sxx < 1e-9 * max(1.0, mx * mx):
-            return None
-        c1 = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 0.0)
-        c0 = max(my - c1 * mx, 0.0)
-        self.last_fit = (c0, c1)
-        return c0, c1
+        below = max((r for r in t if r < rows), default=None)
+        above = min((r for r in t if r > rows), default=None)
+        if below is None:
+            return t[above]
+        if above is None:
+            return t[below] * rows / below
+        w = (rows - below) / (above - below)
+        return (1 - w) * t[below] + w * t[above]
 
     def choose(self, allowed: int, rows_base: int, drafting: int) -> int:
         """The draft length (0..allowed) for a step with `rows_base` rows before drafts and
         `drafting` sequences that would draft."""
         if allowed <= 0 or drafting <= 0:
             return 0
-        fit = self.fit()
-        if fit is None:
-            return allowed  # nothing measured yet: try (the steps measured decide from then on)
-        c0, c1 = fit
+        base_t = self.estimate(rows_base)
+        if base_t is None:
+            return 0  # the step without drafts is measured first
         a = self.alpha
-        base_tokens = rows_base - drafting  # rows that do not draft emit one token each
-        best_k, best = 0, rows_base / max(c0 + c1 * rows_base, 1e-12)
+        best_k, best = 0, rows_base / max(base_t, 1e-12)
         for k in range(1, allowed + 1):
-            rate = (base_tokens + drafting * expected_tokens(a, k)) / max(c0 + c1 * (rows_base + drafting * k), 1e-12)
+            rate = (rows_base - drafting + drafting * expected_tokens(a, k)) / max(
+                self.estimate(rows_base + drafting * k), 1e-12)
             if rate > best * 1.02:  # a clear gain only
                 best_k, best = k, rate
-        if best_k == 0:
-            self._off_steps += 1
-            if self._off_steps >= self.probe_every:  # keep alpha and the fit measured
-                self._off_steps = 0
-                return min(2, allowed)
-        else:
-            self._off_steps = 0
-        return best_k
+        if best_k:
+            self._off_steps, self._probed = 0, False
+            self.probe_every = self.min_probe_every
+            return best_k
+        if self._probed:  # the last probe did not turn drafting on: probe less often
+            self._probed = False
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+        self._off_steps += 1
+        if self._off_steps >= self.probe_every:  # keep alpha and the wider steps measured
+            self._off_steps, self._probed = 0, True
+            return min(2, allowed)
+        return 0

