@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -135,7 +134,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     ns = [int(x) for x in args.ns.split(",")]
     temps = [float(x) for x in args.temperatures.split(",")]
-    tokenize = lambda text: llm.tokenizer.encode(text)  # noqa: E731
+    tokenize = lambda text: llm.tokenizer.encode(text)
     for engine in modes.values():  # warm-up
         run_mode(engine, humaneval_context(tokenize, 64, args.problem), 2, 8, 0.8, 0)
     points = []

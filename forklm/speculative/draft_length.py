@@ -21,7 +21,6 @@ alpha and the time of wider steps stay measured.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 
