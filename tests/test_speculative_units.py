@@ -145,7 +145,10 @@ def test_cost_rule_estimates_and_probes():
     # off for probe_every steps, then a short probe; a probe that does not pay doubles the interval
     assert [rule.choose(7, 64, 64) for _ in range(4)] == [0, 0, 0, 2]
     assert [rule.choose(7, 64, 64) for _ in range(8)] == [0] * 7 + [2]
+    assert rule.probing and rule.probe_sequences(64) == 8 and rule.probe_sequences(3) == 1
     assert [rule.choose(7, 64, 64) for _ in range(8)] == [0] * 7 + [2]  # capped at max_probe_every
+    rule.choose(7, 64, 64)
+    assert not rule.probing
 
 
 # ---------------------------------------------------------------------------------- verification

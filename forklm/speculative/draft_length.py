@@ -13,9 +13,9 @@ compute-bound and every row costs; at n = 1 the weights dominate and a few rows 
 free). Draft tokens are accepted with probability `alpha` each (a geometric run, estimated as
 accepted / (accepted + rejections)), so a draft of k tokens yields (1 - alpha^(k+1)) / (1 - alpha)
 tokens per sample. It picks the k <= the length allowed that maximizes expected tokens per
-second; k = 0 turns speculation off for the step. While off, it drafts 2 tokens every
-`probe_every` steps (an interval that doubles, up to 256, while probes confirm "off") so that
-alpha and the time of wider steps stay measured.
+second; k = 0 turns speculation off for the step. While off, it drafts 2 tokens for one
+sequence in eight every `probe_every` steps (an interval that doubles, up to 256, while probes
+confirm "off"), so that alpha and the time of wider steps stay measured at a small cost.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class CostRule:
         self.max_probe_every = max_probe_every
         self._off_steps = 0
         self._probed = False
+        self.probing = False  # the last `choose` was a probe: draft for a few sequences only (`probe_rows`)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step of `rows` query rows (no prompt chunks) took `seconds`."""
@@ -117,6 +118,7 @@ class CostRule:
     def choose(self, allowed: int, rows_base: int, drafting: int) -> int:
         """The draft length (0..allowed) for a step with `rows_base` rows before drafts and
         `drafting` sequences that would draft."""
+        self.probing = False
         if allowed <= 0 or drafting <= 0:
             return 0
         base_t = self.estimate(rows_base)
@@ -138,6 +140,12 @@ class CostRule:
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
         self._off_steps += 1
         if self._off_steps >= self.probe_every:  # keep alpha and the wider steps measured
-            self._off_steps, self._probed = 0, True
+            self._off_steps, self._probed, self.probing = 0, True, True
             return min(2, allowed)
         return 0
+
+    @staticmethod
+    def probe_sequences(rows_base: int) -> int:
+        """Sequences a probe drafts for: about one in eight of the step's rows (at least one), so
+        a probe adds a quarter of the step's rows at most and costs little where drafts do not pay."""
+        return max(1, rows_base // 8)

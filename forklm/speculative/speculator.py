@@ -76,6 +76,8 @@ class Speculator:
         if out and self.cost is not None:
             k = self.cost.choose(max(len(d) for _, d in out), len(seqs), len(out))
             out = [(seq, d[:k]) for seq, d in out if k > 0]
+            if self.cost.probing:  # a probe: a few sequences only
+                out = out[: self.cost.probe_sequences(len(seqs))]
         if not out:
             self.metrics.off_steps += 1
         self.metrics.draft_s += time.perf_counter() - t0
