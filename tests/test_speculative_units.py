@@ -264,3 +264,25 @@ def test_speculative_config_forms():
     assert SpeculativeConfig.from_any({"num_draft_tokens": 4}).fixed_length == 4
     with pytest.raises(InvalidArgumentError, match="speculative must be"):
         SpeculativeConfig.from_any(3)
+
+
+def test_cost_rule_vetoes_drafts_that_measured_slower_and_retests_them():
+    rule = CostRule(probe_every=4, max_probe_every=8)
+    for rows in (4, 8, 12, 16):  # the step's model: rows almost free, so drafts look worth it
+        rule.observe_step(rows, 0.04 + 0.0001 * rows)
+    rule.accepted, rule.rejected = 8.0, 2.0
+    assert rule.choose(3, 4, 4) == 3
+    # but steps with drafts realized fewer tokens per second than plain steps at 4 sequences
+    for _ in range(3):
+        rule.observe_drafts(2, 4, draft_tokens=12, sequences=4, emitted=5)
+        rule.observe_step(16, 0.2)
+        rule.observe_step(4, 0.04)
+    assert rule.rate[True][4] < rule.rate[False][4]
+    assert rule.drafts_measured_slower(4) and rule.drafts_measured_slower(5) and not rule.drafts_measured_slower(16)
+    rule.time_of = {r: 0.04 + 0.0001 * r for r in (4, 8, 12, 16)}  # a step model still wrong (timed elsewhere)
+    decisions = [rule.choose(3, 4, 4) for _ in range(4)]
+    assert decisions == [0, 0, 0, 3] and rule.full_probe  # a full-width probe re-tests the veto
+    # a probe of one sequence in eight does not enter the realized rates
+    rule.observe_drafts(1, 0, draft_tokens=2, sequences=1, emitted=2)
+    rule.observe_step(66, 0.3)
+    assert 64 not in rule.rate[True]

@@ -16,6 +16,9 @@ tokens per sample. It picks the k <= the length allowed that maximizes expected 
 second; k = 0 turns speculation off for the step. While off, it drafts 2 tokens for one
 sequence in eight every `probe_every` steps (an interval that doubles, up to 256, while probes
 confirm "off"), so that alpha and the time of wider steps stay measured at a small cost.
+Then the clock has the last word: the tokens per second realized by steps with drafts and by
+steps without are kept per number of decode sequences, and where drafting measured slower it is
+vetoed whatever the model of the step says (re-tested by an occasional full-width probe).
 """
 
 from __future__ import annotations
@@ -80,17 +83,55 @@ class CostRule:
         self.max_probe_every = max_probe_every
         self._off_steps = 0
         self._probed = False
-        self.probing = False  # the last `choose` was a probe: draft for a few sequences only (`probe_rows`)
+        self.probing = False  # the last `choose` was a probe: draft for a few sequences only (`probe_sequences`)
+        # the realized guard: tokens per second of steps with and without drafts, per number of
+        # decode sequences (moving averages); drafts are vetoed where they measured slower
+        self.rate: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        self._step_drafts: tuple[int, int, int] | None = None  # this step's (draft tokens, sequences, emitted)
+        self._vetoed = False
+        self._veto_k = 1  # the draft length the step's model chose when the clock vetoed it
+        self.full_probe = False  # the last probe tests the veto: every sequence drafts
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A step of `rows` query rows (no prompt chunks) took `seconds`."""
         old = self.time_of.get(rows)
         self.time_of[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        drafts, self._step_drafts = self._step_drafts, None
+        if seconds <= 0:
+            return
+        if drafts is None:
+            base, tokens = rows, rows
+        else:
+            draft_tokens, seqs, emitted = drafts
+            base = rows - draft_tokens
+            tokens = base - seqs + emitted
+            if seqs * 8 < base:  # a cheap probe says little about the rate of drafting for all
+                return
+        table = self.rate[drafts is not None]
+        old = table.get(base)
+        r = tokens / seconds
+        table[base] = r if old is None else self.decay * old + (1 - self.decay) * r
 
-    def observe_drafts(self, accepted: int, rejections: int) -> None:
-        """A step's drafts: tokens accepted, drafts cut by a rejection (decayed to follow drift)."""
+    def observe_drafts(self, accepted: int, rejections: int, draft_tokens: int = 0, sequences: int = 0,
+                       emitted: int = 0) -> None:
+        """A step's drafts: tokens accepted, drafts cut by a rejection (decayed to follow drift),
+        and for the realized guard its draft tokens, drafting sequences and tokens they emitted."""
         self.accepted = 0.98 * self.accepted + accepted
         self.rejected = 0.98 * self.rejected + rejections
+        if sequences:
+            self._step_drafts = (draft_tokens, sequences, emitted)
+
+    def drafts_measured_slower(self, rows_base: int) -> bool:
+        """Steps with drafts measured fewer tokens per second than steps without, at the nearest
+        number of decode sequences measured both ways (within a quarter)."""
+        on, off = self.rate[True], self.rate[False]
+        near = [b for b in on if b in off or any(abs(c - b) <= b / 4 for c in off)]
+        near = [b for b in near if abs(b - rows_base) <= rows_base / 4]
+        if not near:
+            return False
+        b = min(near, key=lambda x: abs(x - rows_base))
+        c = b if b in off else min(off, key=lambda x: abs(x - b))
+        return on[b] < off[c]
 
     @property
     def alpha(self) -> float:
@@ -131,8 +172,11 @@ class CostRule:
                 self.estimate(rows_base + drafting * k), 1e-12)
             if rate > best * 1.02:  # a clear gain only
                 best_k, best = k, rate
-        if best_k:
-            self._off_steps, self._probed = 0, False
+        self.full_probe = False
+        if best_k and self.drafts_measured_slower(rows_base):
+            self._veto_k, best_k, self._vetoed = best_k, 0, True  # the model of the step says yes, the clock says no
+        elif best_k:
+            self._off_steps, self._probed, self._vetoed = 0, False, False
             self.probe_every = self.min_probe_every
             return best_k
         if self._probed:  # the last probe did not turn drafting on: probe less often
@@ -141,6 +185,9 @@ class CostRule:
         self._off_steps += 1
         if self._off_steps >= self.probe_every:  # keep alpha and the wider steps measured
             self._off_steps, self._probed, self.probing = 0, True, True
+            if self._vetoed:  # re-test the veto: all sequences draft, as an "on" step would
+                self.full_probe, self.probing = True, False
+                return min(self._veto_k, allowed)
             return min(2, allowed)
         return 0
 
