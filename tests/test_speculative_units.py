@@ -106,6 +106,7 @@ def test_expected_tokens():
 def test_cost_rule_turns_drafts_off_where_rows_cost_and_on_where_they_are_free():
     # compute-bound: a step costs in proportion to its rows; alpha 0.3 cannot pay for drafts
     rule = CostRule()
+    rule.max_rows_base = 1024
     for rows in (64, 128, 192, 256, 64, 128):
         rule.observe_step(rows, 0.002 * rows)
     rule.accepted, rule.rejected = 3.0, 7.0
@@ -139,6 +140,7 @@ def test_cost_rule_estimates_and_probes():
     assert abs(rule.estimate(12) - 0.12) < 1e-12  # above: in proportion to rows
     assert rule.estimate(1) == 0.02  # below: the smallest measured
     rule = CostRule(probe_every=4, max_probe_every=8)
+    rule.max_rows_base = 1024
     for rows in (64, 128, 192, 256):
         rule.observe_step(rows, 0.002 * rows)
     rule.accepted, rule.rejected = 1.0, 9.0
@@ -286,3 +288,12 @@ def test_cost_rule_vetoes_drafts_that_measured_slower_and_retests_them():
     rule.observe_drafts(1, 0, draft_tokens=2, sequences=1, emitted=2)
     rule.observe_step(66, 0.3)
     assert 64 not in rule.rate[True]
+
+
+def test_cost_rule_never_drafts_for_wide_steps():
+    rule = CostRule(probe_every=1)
+    for rows in range(1, 40):
+        rule.observe_step(rows, 0.03)  # rows free: the step's model would draft
+    rule.accepted, rule.rejected = 9.0, 1.0
+    assert rule.choose(7, 8, 8) > 0
+    assert [rule.choose(7, 9, 9) for _ in range(5)] == [0] * 5  # no probes either

@@ -74,6 +74,13 @@ def expected_tokens(alpha: float, k: int) -> float:
 class CostRule:
     """The measured rule: the k that maximizes expected tokens per second of step time."""
 
+    # Steps of more decode rows than this never draft. Measured (bench-spec, README "Speculative
+    # sampling"): once drafts are accepted raggedly, a request's samples stand at different
+    # lengths and the planner reads their tails row by row instead of as one strided view of the
+    # lane group, a lasting cost the per-step clock cannot see (n = 16, T = 0.8: 0.80x after
+    # only 3 steps with drafts in 128).
+    max_rows_base = 8
+
     def __init__(self, probe_every: int = 16, max_probe_every: int = 256, decay: float = 0.7) -> None:
         self.time_of: dict[int, float] = {}  # query rows of a step -> its wall time (moving average)
         self.decay = decay
@@ -160,7 +167,7 @@ class CostRule:
         """The draft length (0..allowed) for a step with `rows_base` rows before drafts and
         `drafting` sequences that would draft."""
         self.probing = False
-        if allowed <= 0 or drafting <= 0:
+        if allowed <= 0 or drafting <= 0 or rows_base > self.max_rows_base:
             return 0
         base_t = self.estimate(rows_base)
         if base_t is None:
