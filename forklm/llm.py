@@ -47,6 +47,7 @@ class Request:
     choice: Sequence[str] | None = None  # the text is one of these strings
     jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
     speculative: bool = True  # may speculate where the engine does (False: one token per step)
+    time_budget_s: float | None = None  # seconds: then unfinished samples end with finish_reason "time"
 
     @classmethod
     def from_any(cls, spec: Any, position: int = 0) -> "Request":
@@ -79,6 +80,7 @@ class Request:
                                        choice=self.choice),
             jump_forward=self.jump_forward,
             speculative=self.speculative,
+            time_budget_s=self.time_budget_s,
         )
 
 
@@ -99,7 +101,9 @@ class LLM:
     file with quantized blocks on CPU, else None (a fixed rule, no timing probe).
     speculative: speculative sampling on this LLM's engines (README "Speculative sampling"): None
     (off), "ngram", or a dict / `SpeculativeConfig` ({"method": "ngram", "num_draft_tokens":
-    "auto" | k}); the samples are token for token those of decoding without it.
+    "auto" | k}, or {"method": "draft", "draft_model": a path / name / LLM with this model's
+    tokenizer}); the samples are token for token those of decoding without it (a sampled draft,
+    draft_temperature > 0: the same distribution only).
     """
 
     def __init__(
@@ -134,6 +138,22 @@ class LLM:
         # a random-weight model has no vocabulary: its "text" spells the token ids
         self.decode = tokenizer.decode if tokenizer else _ids_as_text
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        if self.speculative is not None and self.speculative.method == "draft":
+            self.speculative = self._load_draft(self.speculative, quantize)
+
+    def _load_draft(self, spec: SpeculativeConfig, quantize: str | None) -> SpeculativeConfig:
+        """Loads a draft model named by path (same device, dtype and quantize rule as this
+        model) and refuses one whose tokenizer is not this model's; the config then holds the
+        loaded model, so every engine of this LLM shares its weights."""
+        from forklm.speculative.draft_model import check_same_vocabulary, load_draft_model
+
+        loaded = self.__dict__.setdefault("_drafts", {})  # a per-call config loads its draft once
+        if spec in loaded:
+            return loaded[spec]
+        model, tokenizer = load_draft_model(spec.draft_model, self.dtype, self.device, quantize)
+        check_same_vocabulary(self.model, self.tokenizer, model, tokenizer)
+        loaded[spec] = dataclasses.replace(spec, draft_model=model)
+        return loaded[spec]
 
     # ------------------------------------------------------------------ prompts
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
@@ -183,6 +203,7 @@ class LLM:
         choice: Sequence[str] | None = None,
         jump_forward: bool = True,
         speculative: SpeculativeConfig | dict | str | bool | None = None,
+        time_budget_s: float | None = None,
     ) -> SampleOutput:
         """Draws n samples of one prompt on the engine: the prompt is prefilled once (or found in
         the prefix cache), its KV shared by the n samples and read once per decode step.
@@ -196,10 +217,15 @@ class LLM:
         "Constrained decoding"); False draws every token through the mask.
         speculative: None / True (as this LLM was made), False (no speculation for this call), or
         a method name / dict / `SpeculativeConfig` (this call runs on an engine speculating so).
+        time_budget_s: seconds from submission; then every finished sample is returned as is and
+        the unfinished ones end with finish_reason "time" (their tokens so far). None: no limit.
         """
         spec = None if speculative is None or isinstance(speculative, bool) else SpeculativeConfig.from_any(speculative)
+        if spec is not None and spec.method == "draft" and spec != self.speculative:
+            spec = self._load_draft(spec, self.quantize)
         req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos,
-                      top_logprobs, json_schema, regex, grammar, choice, jump_forward, speculative is not False)
+                      top_logprobs, json_schema, regex, grammar, choice, jump_forward, speculative is not False,
+                      time_budget_s)
         params = dataclasses.replace(req.params(), attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
         if spec is not None and spec != self.speculative:

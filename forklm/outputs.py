@@ -12,7 +12,7 @@ class Sample:
     text: str
     token_ids: list[int]
     logprobs: list[float]  # the model's log-softmax of each chosen token (before temperature etc.)
-    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    finish_reason: str  # "stop" (EOS, stop token or stop string), "length", "time" (time budget), "cancelled"
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     # per token, the `top_logprobs` most likely (token id, model log-prob), when asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -48,6 +48,7 @@ from forklm.sampling.params import SamplingParams
 from forklm.sampling.sample_state import SampleState, to_sample
 from forklm.sampling.seeds import fresh_seed
 from forklm.speculative.config import SpeculativeConfig
+from forklm.speculative.draft_model import DraftModelDrafter, check_same_vocabulary, load_draft_model
 from forklm.speculative.speculator import Speculator
 
 SCHEDULES = ("cache-aware", "fcfs")
@@ -72,7 +73,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # running sequences (decode rows) at most; more samples wait for a slot
     lane_ahead_tokens: int = 256  # a sample's own blocks are reserved this far ahead, as one run, while blocks are plentiful
     # speculative sampling (README "Speculative sampling"): None (off), a method name ("ngram"), a
-    # dict of `SpeculativeConfig` fields, or a SpeculativeConfig
+    # dict of `SpeculativeConfig` fields ({"method": "draft", "draft_model": ...}), or a SpeculativeConfig
     speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
@@ -131,7 +132,15 @@ class Engine:
         self.decode = decode
         self.eos_token_ids = eos_token_ids
         self.config = cfg = config or EngineConfig()
+        spec = cfg.speculative
+        draft_model = None
+        if spec is not None and spec.method == "draft":  # loaded (if named) and checked before anything is built
+            tokenizer = getattr(decode, "__self__", None)
+            draft_model, draft_tokenizer = load_draft_model(spec.draft_model, model.dtype, model.device)
+            check_same_vocabulary(model, tokenizer if has_tokenizer else None, draft_model, draft_tokenizer)
         per_block = kv_bytes_per_block(model.config, model.dtype, cfg.block_size)
+        if draft_model is not None:  # every block has a twin in the draft's KV
+            per_block += kv_bytes_per_block(draft_model.config, draft_model.dtype, cfg.block_size)
         num_blocks = cfg.num_blocks
         if num_blocks is None:
             budget = cfg.memory_budget or int(cfg.memory_fraction * available_memory_bytes(model.device))
@@ -148,7 +157,13 @@ class Engine:
         self.kv_manager = KVManager(self.kv, num_blocks, cfg.block_size, cfg.prefix_cache, cfg.lane_ahead_tokens)
         self.pool, self.radix = self.kv_manager.pool, self.kv_manager.radix
         self.metrics = EngineMetrics()
-        self.speculator = Speculator(cfg.speculative) if cfg.speculative is not None else None
+        drafter = None
+        if draft_model is not None:
+            drafter = DraftModelDrafter(draft_model, num_blocks, cfg.block_size, cfg.shared_attention, self.decode_kernel,
+                                        model.config.vocab_size, spec.draft_temperature, spec.draft_top_p)
+            self.kv_manager.draft_kv = drafter.kv
+        self.drafter = drafter
+        self.speculator = Speculator(cfg.speculative, drafter) if cfg.speculative is not None else None
         self.metrics.speculative = self.speculator.metrics if self.speculator is not None else None
         self.scheduler = Scheduler(cfg, self.kv_manager, self.metrics, self.speculator)
         planner = StepPlanner(
@@ -161,6 +176,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._lock = threading.Lock()  # guards cancel flags set from other threads
         self._cancels = 0  # cancel() calls not yet acted on (so a step scans for them only then)
+        self._deadlines = 0  # requests with a time budget not yet finished (a step checks them only then)
 
     @property
     def waiting(self) -> list[RequestState]:
@@ -189,6 +205,9 @@ class Engine:
         req.samples = [SampleState(i) for i in range(params.n)]
         req.stats.prompt_tokens = len(prompt_ids)
         req.submit_time = time.perf_counter()
+        if params.time_budget_s is not None:
+            req.deadline = req.submit_time + params.time_budget_s
+            self._deadlines += 1
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -246,6 +265,16 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - the forward failed: this step's requests fail
             self.output.wait()
             return finished + self._fail_requests({id(r): (r, exc) for r in batch.requests()})
+        if self.drafter is not None:  # the draft computes the prompt (and recompute) tokens the target did
+            t1 = time.perf_counter()
+            try:
+                self.drafter.mirror([(seq, s0) for seq, s0, _ in batch.chunks]
+                                    + [(seq, seq.num_computed - 1) for seq in batch.decode if seq.sample is None])
+            except Exception as exc:  # noqa: BLE001 - the draft's forward failed: this step's requests fail
+                self.output.wait()
+                return finished + self._fail_requests({id(r): (r, exc) for r in batch.requests()})
+            finally:
+                self.speculator.metrics.draft_s += time.perf_counter() - t1
         self.metrics.computed_tokens += out.num_tokens
         self.metrics.shared_reads += out.shared_reads
         result = self.output.process(batch, out)
@@ -267,14 +296,18 @@ class Engine:
         return self._cancels > 0
 
     def _end_cancelled(self) -> list[RequestState]:
-        if not self._cancels:  # read without the lock: a cancel that races this is seen next step
+        """Ends cancelled requests, and those past their time budget's deadline (their unfinished
+        samples end with finish_reason "time", keeping their tokens), before the step's work."""
+        if not self._cancels and not self._deadlines:  # read without the lock: a racing cancel is seen next step
             return []
+        now = time.perf_counter()
         with self._lock:
             self._cancels = 0
-            cancelled = [r for r in self.waiting + self.active if r.cancelled]
-        for req in cancelled:
-            self._finish_request(req, cancelled=True)
-        return cancelled
+            ended = [r for r in self.waiting + self.active
+                     if r.cancelled or (r.deadline is not None and now >= r.deadline)]
+        for req in ended:
+            self._finish_request(req, cancelled=True, reason="cancelled" if req.cancelled else "time")
+        return ended
 
     def _apply(self, result: StepResult) -> list[RequestState]:
         """Hands the step's outcome to the KV manager and ends finished and failed requests."""
@@ -343,6 +376,8 @@ class Engine:
         self.kv_manager.release_prompt(req)
         self.scheduler.remove(req)
         req.status = Status.FINISHED
+        if req.deadline is not None:
+            self._deadlines -= 1
         self.requests.pop(req.request_id, None)
         now = time.perf_counter()
         first = req.first_token_time if req.first_token_time is not None else now
@@ -352,12 +387,12 @@ class Engine:
         req.stats.decode_s = now - first
         req.stats.cached_prompt_tokens = req.cached_tokens
 
-    def _finish_request(self, req: RequestState, cancelled: bool = False) -> None:
+    def _finish_request(self, req: RequestState, cancelled: bool = False, reason: str = "cancelled") -> None:
         self._release_request(req)
-        if cancelled:
+        if cancelled:  # cut short (cancelled, or its time budget ran out): unfinished samples end so
             for st in req.samples:
                 if not st.finished:
-                    st.finish_reason = "cancelled"
+                    st.finish_reason = reason
         try:
             samples = [to_sample(st, self.decode) for st in req.samples]
         except Exception as exc:  # noqa: BLE001 - the final decode failed: the request fails

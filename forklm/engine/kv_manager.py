@@ -33,6 +33,15 @@ class KVManager:
         self.lane_ahead_tokens = lane_ahead_tokens
         self.pool = BlockPool(num_blocks, block_size)
         self.radix = RadixCache(self.pool)
+        # draft-model speculation: the draft's twin KV (same block ids), copied with the target's;
+        # then only blocks whose draft KV exists too enter the prefix cache
+        self.draft_kv: PagedKVCache | None = None
+
+    def _copy_slots(self, src, dst) -> None:
+        src, dst = list(src), list(dst)
+        self.kv.copy_slots(src, dst)
+        if self.draft_kv is not None:
+            self.draft_kv.copy_slots(src, dst)
 
     # ------------------------------------------------------------------ questions
     @property
@@ -121,7 +130,7 @@ class KVManager:
             seqs.append(Sequence(req, req.prompt_ids + st.token_ids + st.ahead, shared + run[i * k : (i + 1) * k], P, st))
         if rem:  # each sample's copy of the prompt's partial last block
             src = req.prompt_blocks[full] * bs
-            self.kv.copy_slots(
+            self._copy_slots(
                 [src + j for _ in fresh for j in range(rem)],
                 [run[i * k] * bs + j for i in range(len(fresh)) for j in range(rem)],
             )
@@ -157,7 +166,7 @@ class KVManager:
         self.pool.incref(shared)
         if rem:
             src = req.prompt_blocks[full] * bs
-            self.kv.copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
+            self._copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
         return Sequence(req, tokens, shared + new, P, st)
 
     def ensure_slot(self, seq: Sequence, margin: int) -> bool:
@@ -223,9 +232,11 @@ class KVManager:
 
     def release_sequence(self, seq: Sequence, cache: bool) -> None:
         """Drops a sequence's references; with `cache`, its computed full blocks join the prefix
-        cache first (only verified tokens: everything computed is)."""
+        cache first (only verified tokens: everything computed is; with a draft model, only
+        tokens whose draft KV is computed too)."""
         if cache and self.prefix_cache:
-            full = seq.num_computed // self.block_size
+            done = seq.num_computed if self.draft_kv is None else min(seq.num_computed, seq.draft_computed)
+            full = done // self.block_size
             self.radix.insert(seq.tokens[: full * self.block_size], seq.block_table[:full])
         self.pool.decref(seq.block_table)
         seq.block_table = []

@@ -44,7 +44,9 @@ from forklm.sampling.sample_state import (
     to_sample,
 )
 from forklm.sampling.sampler import model_logprobs
-from forklm.speculative.verify import accepted_prefix
+from forklm.sampling.seeds import counter_uniforms
+from forklm.speculative.draft_model import accept_seed, recover_seed
+from forklm.speculative.verify import accepted_prefix, rejection_sample, target_probs
 from forklm.tokenizer import Tokenizer
 
 
@@ -286,6 +288,7 @@ class OutputProcessor:
         try:
             picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
             drawn_t = draw_tokens(picked, params, seeds, indices, steps, stops)
+            sampled = self._rejection_sample(live, picked, drawn_t, params, steps, stops)
             lps = model_logprobs(picked, drawn_t).tolist()
             drawn = drawn_t.tolist()
             top = None
@@ -308,7 +311,7 @@ class OutputProcessor:
             at += k + 1
             if failed and id(r) in failed:
                 continue
-            a = accepted_prefix(seq.draft, drawn[span.start : span.stop])
+            a = sampled[id(seq)] if id(seq) in sampled else accepted_prefix(seq.draft, drawn[span.start : span.stop])
             base = seq.num_computed - k  # tokens through the pending one (whose KV this step computed)
             kt = r.params.top_logprobs
             fin, m = False, 0
@@ -337,7 +340,9 @@ class OutputProcessor:
             del seq.tokens[base:]
             seq.tokens.extend(st.token_ids[len(st.token_ids) - m :])
             seq.num_computed = base + min(m, a)
+            seq.draft_computed = min(seq.draft_computed, seq.num_computed)  # a draft model's KV past it: rejected tokens
             seq.draft = []
+            seq.draft_probs = None
             result.rolled_back.append(seq)
             drafted.append(k)
             accepted.append(a)
@@ -347,6 +352,46 @@ class OutputProcessor:
                 result.finished_seqs.append(seq)
         if self.speculator is not None and drafted:
             self.speculator.observe(drafted, accepted, emitted, time.perf_counter() - t0)
+
+    @staticmethod
+    def _rejection_sample(live: list[Sequence], picked: torch.Tensor, drawn: torch.Tensor, params, steps, stops) -> dict[int, int]:
+        """Sampled drafts (a draft model drawing from q, `seq.draft_probs` [k, V]): modified
+        rejection sampling against the target's distribution p at each row (its temperature,
+        top-k, top-p and min_tokens ban), with counter-based uniforms of (seed, sample,
+        position) on streams of their own (acceptance; the recovered or bonus draw). Writes each
+        such sequence's emitted tokens into `drawn` (its draft's accepted tokens, then the
+        recovered or bonus token) and returns id(seq) -> accepted count. Exact in distribution
+        (the samples are distributed as without speculation), not token for token."""
+        out: dict[int, int] = {}
+        if not any(seq.draft_probs is not None for seq in live):
+            return out
+        logits = picked
+        early = [r for r, t in enumerate(steps) if t < params[r].min_tokens and stops[r]]
+        if early:  # as `draw_tokens`: stop ids banned before min_tokens
+            logits = picked.clone()
+            for r in early:
+                logits[r, torch.tensor(sorted(stops[r]), dtype=torch.long, device=picked.device)] = float("-inf")
+        at = 0
+        for seq in live:
+            k = len(seq.draft)
+            span = slice(at, at + k + 1)
+            at += k + 1
+            if seq.draft_probs is None:
+                continue
+            pr = params[span.start]
+            p = target_probs(logits[span], pr.temperature, pr.top_k, pr.top_p)  # [k + 1, V]
+            q = seq.draft_probs.to(p)  # [k, V]
+            st, r = seq.sample, seq.request
+            t = steps[span.start]
+            u_acc = counter_uniforms([accept_seed(r.seed)] * k, [st.index] * k, range(t, t + k))
+            u_draw = counter_uniforms([recover_seed(r.seed)], [st.index], [t])
+            draft = torch.tensor(seq.draft, dtype=torch.long, device=p.device)
+            a, nxt = rejection_sample(p[None], q[None], draft[None], u_acc[None].to(p.device), u_draw.to(p.device))
+            a = int(a[0])
+            emitted = seq.draft[:a] + [int(nxt[0])] * (k + 1 - a)
+            drawn[span] = torch.tensor(emitted, dtype=torch.long, device=drawn.device)
+            out[id(seq)] = a
+        return out
 
     def _start_matchers(self, req: RequestState) -> None:
         """Gives each sample of a constrained request its own matcher (at its first draw)."""

@@ -38,6 +38,14 @@ class Sequence:
     # how many blocks the sequence held before slots were taken for it (what a rollback keeps)
     draft: list[int] = field(default_factory=list)
     blocks_before: int = 0
+    # draft-model speculation: leading tokens whose draft-model KV is valid (-1: as many as
+    # `num_computed` at creation), and q's rows [k, V] of a sampled draft during its step
+    draft_computed: int = -1
+    draft_probs: Any = None
+
+    def __post_init__(self) -> None:
+        if self.draft_computed < 0:
+            self.draft_computed = self.num_computed
 
     @property
     def num_pending(self) -> int:
@@ -88,6 +96,7 @@ class RequestState:
     error: BaseException | None = None  # why it failed, if it did (then `output` is None)
     stop_ids: set[int] | None = None  # token ids that end a sample (the output processor fills it)
     spec_state: Any = None  # the speculator's per-request drafter state (an n-gram index)
+    deadline: float | None = None  # perf_counter time its time budget ends (params.time_budget_s)
 
     @property
     def unfinished_samples(self) -> list[SampleState]:

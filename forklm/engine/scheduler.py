@@ -174,13 +174,16 @@ class Scheduler:
         pending token and its draft, with slots for all of them. Drafts take at most half the
         budget left (prefill chunks keep the rest) and never preempt: a sequence whose draft
         slots cannot be had decodes one token. Returns the rows added."""
-        drafts = self.speculator.propose(batch.decode, max(budget, 0) // 2)
+        if self.speculator.drafter is not None:
+            drafts = self._draft_with_model(batch, budget)
+        else:
+            drafts = self.speculator.propose(batch.decode, max(budget, 0) // 2)
         if not drafts:
             return 0
         added = 0
         moved: set[int] = set()
         for seq, draft in drafts:
-            before = len(seq.block_table)
+            before = seq.blocks_before if self.speculator.drafter is not None else len(seq.block_table)
             if not self.kv.ensure_slots(seq, 1 + len(draft), self.margin()):
                 self.kv.trim(seq, before)  # blocks taken on the way go back
                 continue
@@ -193,6 +196,23 @@ class Scheduler:
         if moved:
             batch.decode = [seq for seq in batch.decode if id(seq) not in moved]
         return added
+
+    def _draft_with_model(self, batch: ScheduledBatch, budget: int) -> list[tuple[Sequence, list[int]]]:
+        """A draft model writes KV for its draft tokens: their slots are reserved first (for the
+        pending token and k draft tokens), then it drafts."""
+        plan = []
+        for seq, k in self.speculator.plan(batch.decode, max(budget, 0) // 2):
+            before = len(seq.block_table)
+            if not self.kv.ensure_slots(seq, 1 + k, self.margin()):
+                self.kv.trim(seq, before)  # blocks taken on the way go back
+                continue
+            seq.blocks_before = before
+            plan.append((seq, k))
+        drafts = self.speculator.draft(plan)
+        if not drafts:
+            for seq, _ in plan:
+                self.kv.trim(seq, seq.blocks_before)
+        return drafts
 
     def _run(self, req: RequestState, seq: Sequence) -> None:
         req.pending.remove(seq.sample)

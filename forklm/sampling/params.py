@@ -29,6 +29,8 @@ class SamplingParams:
     constraint: Constraint | None = None  # what every sample's text must match (`constraints.make_constraint`)
     jump_forward: bool = True  # a constrained sample appends the runs its grammar forces in one step each
     speculative: bool = True  # may speculate where the engine does (False: this request decodes one token per step)
+    # seconds from submission after which unfinished samples end with finish_reason "time" (None: no limit)
+    time_budget_s: float | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +71,9 @@ class SamplingParams:
             raise bad("jump_forward", self.jump_forward, "True or False")
         if not isinstance(self.speculative, bool):
             raise bad("speculative", self.speculative, "True or False")
+        if self.time_budget_s is not None and (not _is_number(self.time_budget_s)
+                                               or not 0 < self.time_budget_s < math.inf):
+            raise bad("time_budget_s", self.time_budget_s, "a positive number of seconds or None")
 
     @property
     def greedy(self) -> bool:

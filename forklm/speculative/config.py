@@ -8,7 +8,7 @@ from typing import Any
 
 from forklm.errors import InvalidArgumentError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_DRAFT_TOKENS = 32  # BASS's l_limit
 
 
@@ -21,6 +21,13 @@ class SpeculativeConfig:
     cost_rule: with "auto", shorten drafts (down to none) where the measured step cost says
     verifying them costs more than they save (`draft_length.CostRule`).
     ngram_max / ngram_min: the longest and shortest suffix matched (ngram).
+    method "draft": a smaller model with the target's tokenizer drafts (`draft_model.py`).
+    draft_model: anything `LLM()` loads (a path, "smollm2-135m", "random:<shape>") or an already
+    loaded `LLM` / `LlamaModel`; loaded with the target's device and dtype.
+    draft_temperature: 0 (default): greedy drafts (point masses), verified by drawing the
+    target's own token, so the output is token for token that of decoding without speculation;
+    > 0: the draft samples from its distribution q (temperature, `draft_top_p`) and drafts are
+    verified by modified rejection sampling: exact in distribution only, not token for token.
     """
 
     method: str = "ngram"
@@ -28,6 +35,9 @@ class SpeculativeConfig:
     cost_rule: bool = True
     ngram_max: int = 4
     ngram_min: int = 1
+    draft_model: Any = None
+    draft_temperature: float = 0.0
+    draft_top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -44,6 +54,15 @@ class SpeculativeConfig:
                 raise InvalidArgumentError(f"speculative {name} must be an integer in [1, 16], got {v!r}")
         if self.ngram_min > self.ngram_max:
             raise InvalidArgumentError(f"speculative ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if self.method == "draft" and self.draft_model is None:
+            raise InvalidArgumentError("speculative method 'draft' needs a draft_model (a model path or name, or a loaded LLM)")
+        if self.method != "draft" and self.draft_model is not None:
+            raise InvalidArgumentError(f"speculative draft_model is for method 'draft', not {self.method!r}")
+        t, p = self.draft_temperature, self.draft_top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 100:
+            raise InvalidArgumentError(f"speculative draft_temperature must be a number in [0, 100], got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise InvalidArgumentError(f"speculative draft_top_p must be a number in (0, 1], got {p!r}")
 
     @property
     def fixed_length(self) -> int | None:

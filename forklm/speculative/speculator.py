@@ -30,6 +30,7 @@ class SpeculativeMetrics:
     draft_s: float = 0.0  # time spent drafting
     verify_s: float = 0.0  # time spent in verification draws and acceptance (the forward is not counted)
     off_steps: int = 0  # steps where the cost rule (or the budget) turned drafting off
+    draft_failures: int = 0  # draft-model forwards that raised (those steps decoded without drafts)
 
     @property
     def acceptance_rate(self) -> float:
@@ -42,11 +43,17 @@ class SpeculativeMetrics:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    draft_error: BaseException | None = None  # the last draft-model failure
+
+    def __init__(self, config: SpeculativeConfig, drafter=None) -> None:  # DraftModelDrafter for method "draft"
         self.config = config
+        self.drafter = drafter
         k = config.fixed_length
         self.length = FixedDraftLength(k) if k is not None else BassDraftLength()
-        self.cost = CostRule() if k is None and config.cost_rule else None
+        # a sampled draft's output depends on which positions were drafted: the timing-based cost
+        # rule would make seeded runs irreproducible, so it drafts by BASS's rule alone
+        sampled = config.method == "draft" and config.draft_temperature > 0
+        self.cost = CostRule() if k is None and config.cost_rule and not sampled else None
         self.metrics = SpeculativeMetrics()
 
     def propose(self, seqs: list[Sequence], room: int) -> list[tuple[Sequence, list[int]]]:
@@ -83,6 +90,48 @@ class Speculator:
         self.metrics.draft_s += time.perf_counter() - t0
         return out
 
+    # ------------------------------------------------------------------ the draft model (method "draft")
+    def plan(self, seqs: list[Sequence], room: int) -> list[tuple[Sequence, int]]:
+        """Which of the step's decode rows `seqs` draft, and how many tokens each (at most `room`
+        in all): the scheduler reserves their slots, then `draft` runs the draft model."""
+        length = min(self.length.length, room // max(len(seqs), 1))
+        out: list[tuple[Sequence, int]] = []
+        if length > 0:
+            for seq in seqs:
+                st, req = seq.sample, seq.request
+                if st is None or st.matcher is not None or st.ahead or not req.params.speculative:
+                    continue
+                left = req.params.max_tokens - len(st.token_ids) - 1  # emitted tokens never pass max_tokens
+                if left > 0:
+                    out.append((seq, min(length, left)))
+        if out and self.cost is not None:
+            k = self.cost.choose(max(k for _, k in out), len(seqs), len(out))
+            out = [(seq, min(n, k)) for seq, n in out if k > 0]
+            if self.cost.probing:
+                out = out[: self.cost.probe_sequences(len(seqs))]
+        if not out:
+            self.metrics.off_steps += 1
+        return out
+
+    def draft(self, plan: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int]]]:
+        """Runs the draft model for the planned sequences (their slots held); [] if it fails (the
+        step decodes without drafts; the error is kept in `draft_error`)."""
+        if not plan:
+            return []
+        t0 = time.perf_counter()
+        try:
+            drafts = self.drafter.draft(plan)
+        except Exception as exc:  # noqa: BLE001 - a failing draft forward costs the drafts, not the requests
+            self.draft_error = exc
+            self.metrics.draft_failures += 1
+            for seq, _ in plan:
+                seq.draft_computed = min(seq.draft_computed, seq.num_computed)
+                seq.draft_probs = None
+            return []
+        finally:
+            self.metrics.draft_s += time.perf_counter() - t0
+        return [(seq, d) for (seq, _), d in zip(plan, drafts)]
+
     def observe(self, drafted: list[int], accepted: list[int], emitted: list[int], verify_s: float) -> None:
         """One step's verification: per drafted sequence its draft length, accepted count and emitted tokens."""
         m = self.metrics
@@ -94,7 +143,8 @@ class Speculator:
         m.verify_s += verify_s
         self.length.update(accepted)
         if self.cost is not None:
-            self.cost.observe_drafts(sum(accepted), sum(1 for d, a in zip(drafted, accepted) if a < d))
+            self.cost.observe_drafts(sum(accepted), sum(1 for d, a in zip(drafted, accepted) if a < d),
+                                     sum(drafted), len(drafted), sum(emitted))
 
     def observe_step(self, rows: int, seconds: float) -> None:
         if self.cost is not None:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from forklm.sampling.sampler import GREEDY_BELOW, filtered_candidates
+
 
 def accepted_prefix(draft: Sequence[int], drawn: Sequence[int]) -> int:
     """How many leading draft tokens equal the target's drawn tokens (drawn[j] is the target's
@@ -78,3 +80,16 @@ def rejection_sample(
     else:
         weights = p_at
     return accepted, _inverse_cdf(weights, u_draw)
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution decoding draws from (temperature, top-k, top-p; a point mass on the argmax
+    below `GREEDY_BELOW`): logits [b, V] float32 -> probabilities [b, V] float64 summing to 1."""
+    if temperature < GREEDY_BELOW:
+        out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+        return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    w, ids = filtered_candidates(logits, temperature, top_k, top_p)
+    w = w.double()
+    if ids is not None:
+        w = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device).scatter_(1, ids, w)
+    return w / w.sum(-1, keepdim=True)
