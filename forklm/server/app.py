@@ -183,6 +183,8 @@ class _Server:
                     top_logprobs=top_logprobs,
                     constraint=constraint,
                     jump_forward=body.jump_forward,
+                    speculative=body.speculative,
+                    time_budget_s=body.time_budget_s,
                 )
             except InvalidArgumentError as exc:
                 raise invalid(str(exc), param=param_of_message(str(exc))) from None
@@ -479,6 +481,7 @@ class _Responder:
         self.chat = kind == "chat"
         self.k = (body.top_logprobs or 0) if self.chat else (body.logprobs or 0)
         self.want_logprobs = body.logprobs if self.chat else body.logprobs is not None
+        self._finished: set[tuple[int, int]] = set()  # (prompt, sample) whose stream sent its finish_reason
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.body.model}
@@ -567,6 +570,9 @@ class _Responder:
                     return
                 if batch is None:
                     remaining -= 1
+                    cut = self._cut_choices(p, texts)  # samples ended by their time budget
+                    if cut:
+                        yield _sse({**self._head(obj), "choices": cut, **({"usage": None} if include_usage else {})})
                     continue
                 if first:
                     self.server.metrics.ttft.observe(time.perf_counter() - self.arrival)
@@ -584,6 +590,24 @@ class _Responder:
                 t.cancel()
             self.server.cancel(self.jobs)
 
+    def _cut_choices(self, p: int, texts: dict) -> list[dict]:
+        """The last chunk of each sample of prompt p that ended without a token of its own (its
+        time budget ran out between steps): the rest of its text and its finish_reason."""
+        out = self.jobs[p].stream.output
+        choices = []
+        for s in out.samples if out is not None else []:
+            key = (p, s.index)
+            if key in self._finished:
+                continue
+            piece = texts[key].finish(s.text)
+            index = p * self.body.n + s.index
+            if self.chat:
+                choices.append({"index": index, "delta": {"content": piece} if piece else {}, "logprobs": None,
+                                "finish_reason": s.finish_reason})
+            else:
+                choices.append({"index": index, "text": piece, "logprobs": None, "finish_reason": s.finish_reason})
+        return choices
+
     def _chunk_choices(self, p: int, batch: list[TokenEvent], texts: dict, offsets: dict) -> list[dict]:
         srv, n = self.server, self.body.n
         per_choice: dict[int, list[TokenEvent]] = {}
@@ -597,6 +621,7 @@ class _Responder:
                 if ev.finish_reason is not None:
                     piece += texts[key].finish(ev.sample.text)
                     finish = ev.finish_reason
+                    self._finished.add(key)
                 else:
                     piece += texts[key].push(ev.token_id)
             ids = [ev.token_id for ev in events]

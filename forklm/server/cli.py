@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from forklm.speculative.config import SPECULATIVE_HELP, SpeculativeConfig
+
 _MISSING = "forklm serve needs the server extras: pip install 'forklm[serve]' (fastapi, uvicorn, prometheus-client)"
 
 
@@ -34,6 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off")
     p.add_argument("--schedule", default="cache-aware", choices=["cache-aware", "fcfs"])
     p.add_argument("--shared-attention", default="auto", choices=["auto", "bifurcated", "standard"])
+    p.add_argument("--speculative", default=None, metavar="SPEC",
+                   help=SPECULATIVE_HELP + "; a request opts out with \"speculative\": false")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -64,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_samples < 1:
         raise ValueError("--max-samples must be >= 1")
     EngineConfig(**engine_options(args))  # bad options fail before the model loads
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    spec = SpeculativeConfig.from_text(args.speculative)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, speculative=spec)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model}: forklm serve needs a model with a tokenizer (random-weight shapes are for "
                          "forklm bench)")

@@ -59,6 +59,24 @@ class ServerMetrics:
             registry=reg,
         )
 
+        self.spec = None
+        if engine.speculator is not None:  # cumulative engine counters, copied each step
+            names = {
+                "draft_tokens": "Draft tokens proposed and verified",
+                "accepted_tokens": "Draft tokens accepted by verification",
+                "emitted_tokens": "Tokens emitted by steps that verified drafts (accepted plus one per drafted row)",
+                "spec_steps": "Engine steps that verified drafts",
+                "off_steps": "Engine steps where the cost rule (or the token budget) turned drafting off",
+                "draft_failures": "Draft-model forwards that failed (those steps decoded without drafts)",
+                "draft_s": "Seconds spent drafting",
+                "verify_s": "Seconds spent in verification draws and acceptance (the forward not counted)",
+            }
+            self.spec = {k: Gauge("forklm_spec_" + (k[:-2] + "_seconds" if k.endswith("_s") else k), h, registry=reg)
+                         for k, h in names.items()}
+            self.spec_acceptance = Gauge("forklm_spec_acceptance_rate", "Accepted / drafted tokens", registry=reg)
+            self.spec_tokens_per_step = Gauge(
+                "forklm_spec_tokens_per_drafted_row", "Tokens emitted per drafted row per step", registry=reg)
+
     def on_step(self, engine: Engine, seconds: float) -> None:
         """After each step, on the engine thread: O(1) reads (list lengths, the pool's counters)."""
         self.step.observe(seconds)
@@ -67,6 +85,12 @@ class ServerMetrics:
         self.blocks_in_use.set(engine.pool.num_in_use)
         self.blocks_cached.set(engine.pool.num_cached)
         self.hit_rate.set(engine.metrics.prefix_hit_rate)
+        if self.spec is not None:
+            m = engine.speculator.metrics
+            for k, g in self.spec.items():
+                g.set(getattr(m, k))
+            self.spec_acceptance.set(m.acceptance_rate)
+            self.spec_tokens_per_step.set(m.tokens_per_draft)
 
     def finished(self, output) -> None:  # a SampleOutput
         st = output.stats

@@ -83,6 +83,8 @@ class _Body(_NullMeansDefault):
     ignore_eos: bool = False
     rank: bool = False
     jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
+    speculative: bool = True  # false: this request decodes one token per step on a speculating server
+    time_budget_s: float | None = Field(None, gt=0)  # then unfinished samples end with finish_reason "time"
 
 
 class CompletionBody(_Body):

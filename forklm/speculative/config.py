@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,10 @@ from forklm.errors import InvalidArgumentError
 
 METHODS = ("ngram", "draft")
 MAX_DRAFT_TOKENS = 32  # BASS's l_limit
+# the command lines' --speculative (`SpeculativeConfig.from_text`)
+SPECULATIVE_HELP = ("speculative sampling: ngram (drafts from the prompt and sibling samples), ngram:K (K draft tokens), "
+                    "draft:MODEL[:K] (a draft model with this model's tokenizer), or a JSON object of the options; "
+                    "samples are token for token those without it (default: off)")
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,35 @@ class SpeculativeConfig:
     @property
     def fixed_length(self) -> int | None:
         return None if self.num_draft_tokens == "auto" else int(self.num_draft_tokens)
+
+    @classmethod
+    def from_text(cls, text: str | None) -> SpeculativeConfig | None:
+        """A command line's `--speculative`: "none"/"off", a method name ("ngram"), "ngram:K"
+        (K draft tokens), "draft:MODEL" / "draft:MODEL:K", or a JSON object of the fields."""
+        if text is None or text.strip().lower() in ("", "none", "off"):
+            return None
+        text = text.strip()
+        if text.startswith("{"):
+            try:
+                spec = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise InvalidArgumentError(f"--speculative is not valid JSON: {exc}") from None
+            if not isinstance(spec, dict):
+                raise InvalidArgumentError("--speculative JSON must be an object of SpeculativeConfig fields")
+            return cls.from_any(spec)
+        method, _, rest = text.partition(":")
+        if method == "draft":  # draft:MODEL[:K]; a path may hold ':' itself, so K is taken from the right
+            model, _, k = rest.rpartition(":")
+            if not k.isdigit() or not model:
+                model, k = rest, ""
+            if not model:
+                raise InvalidArgumentError("--speculative draft needs a model: draft:MODEL or draft:MODEL:K")
+            return cls(method="draft", draft_model=model, num_draft_tokens=int(k) if k else "auto")
+        if rest:
+            if not rest.isdigit():
+                raise InvalidArgumentError(f"--speculative {text!r}: expected {method}:K with K a number of draft tokens")
+            return cls(method=method, num_draft_tokens=int(rest))
+        return cls(method=method)
 
     @classmethod
     def from_any(cls, spec: Any) -> SpeculativeConfig | None:

@@ -80,6 +80,11 @@ class CostRule:
     # lane group, a lasting cost the per-step clock cannot see (n = 16, T = 0.8: 0.80x after
     # only 3 steps with drafts in 128).
     max_rows_base = 8
+    # Only a request's lone running sample drafts: the samples of one request decode as one lane
+    # group whose tails are one strided read while they have equal lengths; ragged acceptance
+    # breaks that for the rest of the generation (tails read row by row), a cost no per-step
+    # clock sees. bench-spec at n = 4, T = 0.8: 0.90x (m_c 256) and 0.84x (m_c 2048) without it.
+    solo_only = True
 
     def __init__(self, probe_every: int = 16, max_probe_every: int = 256, decay: float = 0.7) -> None:
         self.time_of: dict[int, float] = {}  # query rows of a step -> its wall time (moving average)

@@ -60,16 +60,16 @@ class Speculator:
         """Drafts for the step's decode rows `seqs`, at most `room` draft tokens in all."""
         t0 = time.perf_counter()
         length = min(self.length.length, room // max(len(seqs), 1))
+        if self.cost is not None and len(seqs) > self.cost.max_rows_base:
+            length = 0  # never drafts this wide: no n-gram lookups either
         out: list[tuple[Sequence, list[int]]] = []
         if length > 0:
             updated: set[int] = set()
             for seq in seqs:
-                st, req = seq.sample, seq.request
-                if st is None or st.matcher is not None or st.ahead or not req.params.speculative:
-                    continue
-                left = req.params.max_tokens - len(st.token_ids) - 1  # emitted tokens never pass max_tokens
+                left = self._room_of(seq)
                 if left <= 0:
                     continue
+                st, req = seq.sample, seq.request
                 index = req.spec_state
                 if index is None:
                     index = req.spec_state = NGramIndex(req.prompt_ids, self.config.ngram_max, self.config.ngram_min)
@@ -95,13 +95,12 @@ class Speculator:
         """Which of the step's decode rows `seqs` draft, and how many tokens each (at most `room`
         in all): the scheduler reserves their slots, then `draft` runs the draft model."""
         length = min(self.length.length, room // max(len(seqs), 1))
+        if self.cost is not None and len(seqs) > self.cost.max_rows_base:
+            length = 0  # never drafts this wide: the draft model does not run
         out: list[tuple[Sequence, int]] = []
         if length > 0:
             for seq in seqs:
-                st, req = seq.sample, seq.request
-                if st is None or st.matcher is not None or st.ahead or not req.params.speculative:
-                    continue
-                left = req.params.max_tokens - len(st.token_ids) - 1  # emitted tokens never pass max_tokens
+                left = self._room_of(seq)
                 if left > 0:
                     out.append((seq, min(length, left)))
         if out and self.cost is not None:
@@ -131,6 +130,17 @@ class Speculator:
         finally:
             self.metrics.draft_s += time.perf_counter() - t0
         return [(seq, d) for (seq, _), d in zip(plan, drafts)]
+
+    def _room_of(self, seq: Sequence) -> int:
+        """Draft tokens `seq` may take this step (0: it decodes one token): not a prompt, a
+        constrained sample or a known run; not past max_tokens; and, under the cost rule, only a
+        request's lone running sample (`CostRule.solo_only`)."""
+        st, req = seq.sample, seq.request
+        if st is None or st.matcher is not None or st.ahead or not req.params.speculative:
+            return 0
+        if self.cost is not None and self.cost.solo_only and len(req.running) > 1:
+            return 0
+        return req.params.max_tokens - len(st.token_ids) - 1  # emitted tokens never pass max_tokens
 
     def observe(self, drafted: list[int], accepted: list[int], emitted: list[int], verify_s: float) -> None:
         """One step's verification: per drafted sequence its draft length, accepted count and emitted tokens."""
