@@ -316,3 +316,81 @@ def test_plan_advanced_in_place_matches_the_reference_every_step():
     rows = [DecodeRow(t, p, sb, key=i) for i, (t, p, sb) in enumerate(zip(tables, positions, shareable)) if i != 4]
     planner.plan(rows, [])
     assert planner.rebuilds == before + 1
+
+
+def test_fresh_kv_pool_is_zeros():
+    """Masked reads of ragged tails read slots no row has written: the pool must hold no NaN."""
+    kv = PagedKVCache(_config(4, 2, 8), 16, 4, torch.bfloat16, torch.device("cpu"))
+    assert all(torch.count_nonzero(t) == 0 for t in kv.k + kv.v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_tails_and_extends_are_masked_strided_reads(dtype):
+    """With the pool's size known, a lane group whose samples stand at different lengths is one
+    masked strided read; the k rows of a multi-token extend are one unit (k·p query rows per KV
+    head, causal by the mask); extends of equal k in strided lanes are one read for all of them.
+    Every row equals the reference, whatever lies in the slots the masks hide."""
+    gen = torch.Generator().manual_seed(21)
+    bs, h, g, D, K_blocks = 4, 6, 2, 16, 4
+    kv = PagedKVCache(_config(h, g, D), 96, bs, dtype, torch.device("cpu"))
+    kv.k[0].copy_(1e3 * torch.randn(kv.k[0].shape, generator=gen))  # large: a leak past a mask shows
+    kv.v[0].copy_(1e3 * torch.randn(kv.v[0].shape, generator=gen))
+    prompt = [0, 1, 2]  # 12 shared prompt tokens
+    lane = lambda i: prompt + [10 + i * K_blocks + j for j in range(K_blocks)]  # noqa: E731
+    ragged = [(lane(i), 12 + n - 1) for i, n in enumerate([3, 6, 4, 8])]  # decode rows, 4 lengths
+    tables = [lane(i) for i in range(7)]  # an extend's rows list their sequence's table itself
+    extend = [(tables[4], 12 + t) for t in range(2, 6)]  # one sample's 4-token extend
+    pair = [(tables[5 + i], 12 + t) for i, base in enumerate([1, 3]) for t in range(base, base + 3)]  # two 3-token extends
+    rows = [ragged[2], ragged[0], ragged[3], ragged[1]] + extend + pair
+    keys = list(range(4)) + [None] * (len(extend) + len(pair))
+    planner = StepPlanner(bs, "auto", torch.device("cpu"), num_slots=kv.num_slots)
+    plan = planner.plan([DecodeRow(t, p, 3, key=k) for (t, p), k in zip(rows, keys)], [])
+    shapes = sorted((tg.num_units, tg.rows_per_unit, tg.lengths is not None) for tg in plan.tails)
+    assert shapes == [(1, 4, True), (2, 3, True), (4, 1, True)]
+    q = torch.randn(len(rows), h, D, generator=gen).to(dtype)
+    k = torch.randn(len(rows), g, D, generator=gen).to(dtype)
+    v = torch.randn(len(rows), g, D, generator=gen).to(dtype)
+    out = PagedAttention(kv, plan).attend(0, q, k, v)
+    assert not out.isnan().any()
+    _check_rows(kv, rows, out, q, bs, 5 * TOL[dtype])
+    # Without the pool's size the planner reads them as before: one read per distinct length.
+    plain = StepPlanner(bs, "auto", torch.device("cpu")).plan([DecodeRow(t, p, 3) for t, p in rows], [])
+    assert all(tg.lengths is None and tg.rows_per_unit == 1 for tg in plain.tails) and len(plain.tails) > 3
+    _check_rows(kv, rows, PagedAttention(kv, plain).attend(0, q, k, v), q, bs, 5 * TOL[dtype])
+
+
+def test_ragged_group_stays_inside_the_pool_and_bounds_waste():
+    """A lane whose longest read would run past the pool's last slot, or a sibling needing less
+    than half of the longest read, gets reads of its own."""
+    bs = 4
+    lanes = [([0, 1] + [2 + 4 * i + j for j in range(4)], 8 + n - 1) for i, n in enumerate([10, 12])]
+    far = [([0, 1, 22, 23], 8 + 7)]  # stride 12 would continue it, but its read of 12 passes slot 96
+    plan = StepPlanner(bs, "auto", torch.device("cpu"), num_slots=96).plan(
+        [DecodeRow(t, p, 2, key=i) for i, (t, p) in enumerate(lanes + far)], [])
+    assert [tg.num_rows for tg in plan.tails] == [2, 1]
+    short = [([0, 1, 14, 15, 16, 17], 8 + 1)]  # stride 12 continues the lanes, 2 tokens vs 12
+    plan = StepPlanner(bs, "auto", torch.device("cpu"), num_slots=400).plan(
+        [DecodeRow(t, p, 2, key=i) for i, (t, p) in enumerate(lanes + short)], [])
+    assert [tg.num_rows for tg in plan.tails] == [2, 1]
+
+
+def test_ragged_lane_group_is_advanced_in_place():
+    """Samples of one request at different lengths keep decoding: the masked group's plan is
+    advanced step by step (not rebuilt), and every step equals the reference."""
+    gen = torch.Generator().manual_seed(22)
+    bs, h, g, D = 4, 4, 2, 8
+    kv = PagedKVCache(_config(h, g, D), 64, bs, torch.float32, torch.device("cpu"))
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    tables = [[0, 1] + [4 + 4 * i + j for j in range(4)] for i in range(3)]
+    positions = [8 + 2, 8 + 5, 8 + 3]
+    planner = StepPlanner(bs, "auto", torch.device("cpu"), num_slots=kv.num_slots)
+    for step in range(6):
+        rows = [(t, p + step) for t, p in zip(tables, positions)]
+        plan = planner.plan([DecodeRow(t, p, 2, key=i) for i, (t, p) in enumerate(rows)], [])
+        assert [(tg.num_rows, tg.lengths) for tg in plan.tails] == [(3, [3 + step, 6 + step, 4 + step])]
+        q = torch.randn(3, h, D, generator=gen)
+        k = torch.randn(3, g, D, generator=gen)
+        v = torch.randn(3, g, D, generator=gen)
+        _check_rows(kv, rows, PagedAttention(kv, plan).attend(0, q, k, v), q, bs, 1e-5)
+    assert planner.rebuilds == 1

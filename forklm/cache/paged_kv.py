@@ -42,6 +42,19 @@ def slot_runs(block_table: Sequence[int], start: int, end: int, block_size: int)
     return runs
 
 
+def _zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, lazily committed on CPU: numpy's zeros is calloc, whose large blocks are fresh
+    zero pages the OS maps on first write (torch.zeros writes every page at once)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for n in shape:
+        nbytes *= n
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class PagedKVCache:
     def __init__(
         self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
@@ -52,9 +65,11 @@ class PagedKVCache:
         self.num_slots = num_blocks * block_size
         self.dtype = dtype
         self.device = device
-        # torch.empty: pages the engine never touches are never committed by the OS.
-        self.k = [torch.empty(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.empty(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # Zeros, never garbage: a masked read of ragged tails (attention/paged.py) reads slots past
+        # a row's length, and a NaN there would spread through the masked product. On CPU the
+        # zeros come from calloc, so pages the engine never touches are never committed by the OS.
+        self.k = [_zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [_zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new keys/values: slots [T] int64, k/v [T, g, D]."""

@@ -168,7 +168,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv_manager, self.metrics, self.speculator)
         planner = StepPlanner(
             cfg.block_size, cfg.shared_attention, model.device, self.decode_kernel,
-            model.config.num_heads, model.config.num_kv_heads,
+            model.config.num_heads, model.config.num_kv_heads, self.kv.num_slots,
         )
         self.runner = ModelRunner(model, self.kv, planner)
         self.output = OutputProcessor(decode, eos_token_ids, self.speculator)

@@ -2,14 +2,16 @@
 
 Rows of the forward are `[decode rows | extend rows | chunk 0 | chunk 1 | ...]`; logits are
 computed for the rows whose token is a sequence's last (decode rows, and chunks that end a
-sequence) and for every row of an extend.
+sequence) and for every row of an extend (its last only with `extend_logits_last_only`: a draft
+model catching up).
 
 A multi-token extend (a running sequence computes its k pending tokens in one step: a run its
 grammar forces, later a draft to verify) is k decode rows of the attention plan at consecutive
 positions of the same block table: each row attends to the sequence's tokens up to its own
 position (causal among the k, their K/V written before any is read), and the planner reads the
-shared prompt blocks once for all rows that list them, the k included. Its logits rows are
-consecutive, the last one at `row_of_seq`.
+shared prompt blocks once for all rows that list them, the k included, and the k rows' own tail
+as one masked read (one unit of k·p query rows per KV head). Its logits rows are consecutive,
+the last one at `row_of_seq`.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ class ModelRunner:
             shareable = len(seq.request.prompt_ids) // bs
             # only the last row keeps the sequence's key (the planner caches one tail per key)
             decode_rows.extend(DecodeRow(seq.block_table, t, shareable, seq if t == t1 - 1 else None) for t in range(t0, t1))
-            logits_rows.extend(range(first, first + t1 - t0))
+            if batch.extend_logits_last_only:
+                logits_rows.append(first + t1 - t0 - 1)
+            else:
+                logits_rows.extend(range(first, first + t1 - t0))
             row_of_seq[id(seq)] = len(logits_rows) - 1
         for seq, s0, s1 in batch.chunks:
             ids.extend(seq.tokens[s0:s1])

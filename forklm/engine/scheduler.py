@@ -39,6 +39,7 @@ class ScheduledBatch:
     # once with the other rows), with logits at every one of them.
     extend: list[Sequence] = field(default_factory=list)
     chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)  # tokens [s0, s1) of a sequence
+    extend_logits_last_only: bool = False  # logits at an extend's last row only (a draft model catching up)
 
     @property
     def empty(self) -> bool:

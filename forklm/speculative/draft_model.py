@@ -112,7 +112,8 @@ class DraftModelDrafter:
         self.model = model
         self.kv = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         cfg = model.config
-        planner = StepPlanner(block_size, shared_attention, model.device, decode_kernel, cfg.num_heads, cfg.num_kv_heads)
+        planner = StepPlanner(block_size, shared_attention, model.device, decode_kernel, cfg.num_heads, cfg.num_kv_heads,
+                              self.kv.num_slots)
         self.runner = ModelRunner(model, self.kv, planner)
         self.vocab = vocab
         self.temperature, self.top_p = float(temperature), float(top_p)
@@ -149,7 +150,7 @@ class DraftModelDrafter:
         try:
             for j in range(max(ks)):
                 live = [i for i, k in enumerate(ks) if k > j]
-                batch = ScheduledBatch()
+                batch = ScheduledBatch(extend_logits_last_only=True)  # a catch-up needs its last row's logits only
                 for i in live:
                     (batch.decode if views[i].num_computed == len(views[i].tokens) - 1 else batch.extend).append(views[i])
                 out = self.runner.run(batch)
