@@ -258,3 +258,12 @@ def test_bench_spec_pair_smoke(tmp_path, monkeypatch):
         assert all(m["identical"] for m in p["modes"].values()), p
     acc = {p["agreement"]: p["modes"]["draft:3"]["acceptance_rate"] for p in doc["points"] if p["n"] == 1}
     assert acc[0.95] > 0.8 and acc[0.3] < 0.6
+
+
+@pytest.mark.parametrize("module", ["spec", "spec_budget", "constrained", "kernel_bench"])
+def test_bench_parsers_stand_alone(module):
+    """`python -m forklm.bench.<module>` builds its parser without the CLI's subparsers."""
+    import importlib
+
+    parser = importlib.import_module(f"forklm.bench.{module}").build_parser()
+    assert parser.parse_args([]) is not None

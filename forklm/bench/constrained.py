@@ -63,7 +63,7 @@ ENUM_FIELDS = ("severity", "component")
 def build_parser(sub=None) -> argparse.ArgumentParser:
     kw = {"help": "benchmark: constrained decoding (JSON schema), masks only vs jump-forward vs unconstrained",
               "description": __doc__.split("\n\n")[0]}
-    p = sub.add_parser("bench-constrained", **kw) if sub is not None else argparse.ArgumentParser(**kw)
+    p = sub.add_parser("bench-constrained", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--n", type=int, default=64, help="samples per run (default: 64)")

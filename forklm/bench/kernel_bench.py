@@ -160,7 +160,7 @@ def time_point(shape: str, h: int, g: int, D: int, m_c: int, b: int, own: int, d
 def build_parser(sub=None) -> argparse.ArgumentParser:
     kw = dict(help="benchmark: the Triton decode-attention kernel vs torch SDPA, with the floor",
               description=__doc__.split("\n\n")[0])
-    p = sub.add_parser("bench-kernel", **kw) if sub is not None else argparse.ArgumentParser(**kw)
+    p = sub.add_parser("bench-kernel", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--shapes", default="llama3-8b,mha-32", help=f"of {list(SHAPES)}, or h:g:D")

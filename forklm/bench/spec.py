@@ -34,7 +34,7 @@ from pathlib import Path
 def build_parser(sub=None) -> argparse.ArgumentParser:
     kw = {"help": "benchmark: speculative sampling, regular vs each drafter side by side",
           "description": __doc__.split("\n\n")[0]}
-    p = sub.add_parser("bench-spec", **kw) if sub is not None else argparse.ArgumentParser(**kw)
+    p = sub.add_parser("bench-spec", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="auto")

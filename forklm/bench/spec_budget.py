@@ -47,7 +47,7 @@ def answer_code(text: str) -> str:
 def build_parser(sub=None) -> argparse.ArgumentParser:
     kw = {"help": "benchmark: best of n within a time budget on HumanEval, regular vs speculative",
           "description": __doc__.split("\n\n")[0]}
-    p = sub.add_parser("bench-budget", **kw) if sub is not None else argparse.ArgumentParser(**kw)
+    p = sub.add_parser("bench-budget", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="auto")
