@@ -84,6 +84,8 @@ class CostRule:
     # group whose tails are one strided read while they have equal lengths; ragged acceptance
     # breaks that for the rest of the generation (tails read row by row), a cost no per-step
     # clock sees. bench-spec at n = 4, T = 0.8: 0.90x (m_c 256) and 0.84x (m_c 2048) without it.
+    # Since ragged tails are one masked strided read (attention/paged.py), without both rules:
+    # n = 4, T = 0.8 1.05x / 0.94x, n = 16 0.93x / 0.88x (spec_cpu_float32_avx2_ragged.json): kept.
     solo_only = True
 
     def __init__(self, probe_every: int = 16, max_probe_every: int = 256, decay: float = 0.7) -> None:
