@@ -324,17 +324,26 @@ def test_fresh_kv_pool_is_zeros():
     assert all(torch.count_nonzero(t) == 0 for t in kv.k + kv.v)
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["flash", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ragged_tails_and_extends_are_masked_strided_reads(dtype):
+def test_ragged_tails_and_extends_are_masked_strided_reads(dtype, fallback, monkeypatch):
     """With the pool's size known, a lane group whose samples stand at different lengths is one
     masked strided read; the k rows of a multi-token extend are one unit (k·p query rows per KV
     head, causal by the mask); extends of equal k in strided lanes are one read for all of them.
-    Every row equals the reference, whatever lies in the slots the masks hide."""
+    Every row equals the reference, whatever lies in the slots the masks hide. `matmul`: the
+    fallback with materialized scores (what runs off CPU) takes the same masks."""
+    if fallback:
+        import forklm.attention.segments as segments
+
+        monkeypatch.setattr(segments, "_CPU_FLASH", None)
     gen = torch.Generator().manual_seed(21)
     bs, h, g, D, K_blocks = 4, 6, 2, 16, 4
     kv = PagedKVCache(_config(h, g, D), 96, bs, dtype, torch.device("cpu"))
-    kv.k[0].copy_(1e3 * torch.randn(kv.k[0].shape, generator=gen))  # large: a leak past a mask shows
-    kv.v[0].copy_(1e3 * torch.randn(kv.v[0].shape, generator=gen))
+    # large values: a leak past a mask shows (not for bfloat16 scores of the matmul fallback,
+    # which round too coarsely at that size whatever the mask)
+    big = 4.0 if fallback and dtype == torch.bfloat16 else 1e3
+    kv.k[0].copy_(big * torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(big * torch.randn(kv.v[0].shape, generator=gen))
     prompt = [0, 1, 2]  # 12 shared prompt tokens
     lane = lambda i: prompt + [10 + i * K_blocks + j for j in range(K_blocks)]  # noqa: E731
     ragged = [(lane(i), 12 + n - 1) for i, n in enumerate([3, 6, 4, 8])]  # decode rows, 4 lengths
@@ -394,3 +403,22 @@ def test_ragged_lane_group_is_advanced_in_place():
         v = torch.randn(3, g, D, generator=gen)
         _check_rows(kv, rows, PagedAttention(kv, plan).attend(0, q, k, v), q, bs, 1e-5)
     assert planner.rebuilds == 1
+
+
+def test_extend_crossing_into_another_block_is_two_units():
+    """An extend whose rows cross into a block not adjacent to the last one: the rows before and
+    after the crossing have different runs, so they are two units (each one masked read)."""
+    gen = torch.Generator().manual_seed(23)
+    bs, h, g, D = 4, 4, 2, 8
+    kv = PagedKVCache(_config(h, g, D), 40, bs, torch.float32, torch.device("cpu"))
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    table = [0, 1, 9, 20]  # tokens 8..11 in block 9, 12.. in block 20 (not adjacent)
+    rows = [(table, t) for t in range(9, 14)]
+    plan = StepPlanner(bs, "auto", torch.device("cpu"), num_slots=kv.num_slots).plan(
+        [DecodeRow(t, p, 2) for t, p in rows], [])
+    assert sorted(tg.rows_per_unit for tg in plan.tails) == [2, 3]
+    q = torch.randn(len(rows), h, D, generator=gen)
+    k = torch.randn(len(rows), g, D, generator=gen)
+    v = torch.randn(len(rows), g, D, generator=gen)
+    _check_rows(kv, rows, PagedAttention(kv, plan).attend(0, q, k, v), q, bs, 1e-5)

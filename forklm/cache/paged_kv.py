@@ -66,8 +66,10 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = device
         # Zeros, never garbage: a masked read of ragged tails (attention/paged.py) reads slots past
-        # a row's length, and a NaN there would spread through the masked product. On CPU the
-        # zeros come from calloc, so pages the engine never touches are never committed by the OS.
+        # a row's length, and a NaN or inf there would spread through the masked product (masked
+        # slots hold zeros or K/V the model wrote; only a model that writes non-finite K/V, already
+        # broken, could spread it to a row of its masked group). On CPU the zeros come from calloc,
+        # so pages the engine never touches are never committed by the OS.
         self.k = [_zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [_zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
