@@ -27,8 +27,9 @@ from collections import Counter
 import pytest
 import torch
 from conftest import tiny_llama
-from test_engine_fuzz import EOS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, V, _run, decode, describe, draw_scenario
-from test_engine_fuzz import reference, tiny_model
+from test_engine_fuzz import EOS, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, V, decode, describe, draw_scenario
+from test_engine_fuzz import tiny_model
+from test_speculative_fuzz import run_checked
 
 from forklm.cache.radix_cache import RadixCache
 from forklm.engine.engine import Engine, EngineConfig
@@ -91,23 +92,11 @@ def test_greedy_draft_model_fuzz(recorded, which):
     try:
         for seed in SEEDS:
             sc = draft_scenario(seed, which)
-            inserted.clear()
-            engines.clear()
             try:
-                _run(sc, cov)
-                allowed = []
-                for r in sc["requests"]:
-                    ref = reference(r["prompt"], SamplingParams(**r["params"]))
-                    allowed += [tuple(r["prompt"]) + tuple(s.token_ids) for s in ref.samples]
-                for toks in inserted:
-                    assert any(a[: len(toks)] == toks for a in allowed), f"radix insert of unverified tokens {toks}"
-                m = engines[-1].metrics.speculative
+                m = run_checked(sc, cov, inserted, engines)
                 assert m.draft_failures == 0, engines[-1].speculator.draft_error
                 if which == "self":
                     assert m.accepted_tokens == m.draft_tokens, f"self-draft rejected tokens: {m}"
-                cov["draft_tokens"] += m.draft_tokens
-                cov["accepted_tokens"] += m.accepted_tokens
-                cov["rejected_tokens"] += m.draft_tokens - m.accepted_tokens
             except AssertionError as e:
                 failures.append((seed, f"{e}\n{describe(sc)}"))
     finally:

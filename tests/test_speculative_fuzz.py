@@ -30,6 +30,27 @@ def spec_scenario(seed: int) -> dict:
     return sc
 
 
+def run_checked(sc: dict, cov: Counter, inserted: list, engines: list):
+    """Runs a speculative scenario (the engine fuzz's `_run`, every check after every step) and
+    checks what every speculative fuzz checks: the radix cache received only verified tokens
+    (prefixes of the reference's samples). Counts drafted, accepted and rejected tokens in `cov`
+    and returns the last engine's speculation metrics."""
+    inserted.clear()
+    engines.clear()
+    _run(sc, cov)
+    allowed = []
+    for r in sc["requests"]:
+        ref = reference(r["prompt"], SamplingParams(**r["params"]))
+        allowed += [tuple(r["prompt"]) + tuple(s.token_ids) for s in ref.samples]
+    for toks in inserted:
+        assert any(a[: len(toks)] == toks for a in allowed), f"radix insert of unverified tokens {toks}"
+    m = engines[-1].metrics.speculative
+    cov["draft_tokens"] += m.draft_tokens
+    cov["accepted_tokens"] += m.accepted_tokens
+    cov["rejected_tokens"] += m.draft_tokens - m.accepted_tokens
+    return m
+
+
 def test_speculative_fuzz(monkeypatch):
     inserted: list[tuple[int, ...]] = []
     real_insert = RadixCache.insert
@@ -54,20 +75,8 @@ def test_speculative_fuzz(monkeypatch):
     try:
         for seed in SEEDS:
             sc = spec_scenario(seed)
-            inserted.clear()
-            engines.clear()
             try:
-                _run(sc, cov)
-                allowed = []
-                for r in sc["requests"]:
-                    ref = reference(r["prompt"], SamplingParams(**r["params"]))
-                    allowed += [tuple(r["prompt"]) + tuple(s.token_ids) for s in ref.samples]
-                for toks in inserted:
-                    assert any(a[: len(toks)] == toks for a in allowed), f"radix insert of unverified tokens {toks}"
-                m = engines[-1].metrics.speculative
-                cov["draft_tokens"] += m.draft_tokens
-                cov["accepted_tokens"] += m.accepted_tokens
-                cov["rejected_tokens"] += m.draft_tokens - m.accepted_tokens
+                run_checked(sc, cov, inserted, engines)
             except AssertionError as e:
                 failures.append((seed, f"{e}\n{describe(sc)}"))
     finally:

@@ -130,6 +130,25 @@ def run_mode(engine, prompt: list[int], n: int, new_tokens: int, temperature: fl
     return res
 
 
+def run_point(modes: dict, prompt: list[int], n: int, new_tokens: int, temperature: float, seed: int,
+              repeats: int) -> dict[str, dict]:
+    """Every mode's engine ("regular" first) on one point, `repeats` times interleaved; per mode its
+    fastest run, whether its samples equal regular decoding's and its speed-up over it."""
+    best: dict[str, dict] = {}
+    for _ in range(repeats):
+        for name, engine in modes.items():
+            res = run_mode(engine, prompt, n, new_tokens, temperature, seed)
+            if name not in best or res["decode_s"] < best[name]["decode_s"]:
+                best[name] = res
+    ref = best["regular"]
+    ref_tokens = ref["tokens"]
+    for name, res in best.items():
+        res["identical"] = res.pop("tokens") == ref_tokens
+        if name != "regular":
+            res["speedup"] = round(ref["decode_s"] / res["decode_s"], 3)
+    return best
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
@@ -155,20 +174,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         prompt = humaneval_context(tokenize, m_c, args.problem)
         for temperature in temps:
             for n in ns:
-                best: dict[str, dict] = {}
-                for _ in range(args.repeats):
-                    for name, engine in modes.items():
-                        res = run_mode(engine, prompt, n, args.new_tokens, temperature, args.seed)
-                        if name not in best or res["decode_s"] < best[name]["decode_s"]:
-                            best[name] = res
-                ref = best["regular"]
-                ref_tokens = ref["tokens"]
-                row = {"m_c": m_c, "n": n, "temperature": temperature, "modes": {}}
-                for name, res in best.items():
-                    res["identical"] = res.pop("tokens") == ref_tokens
-                    if name != "regular":
-                        res["speedup"] = round(ref["decode_s"] / res["decode_s"], 3)
-                    row["modes"][name] = res
+                row = {"m_c": m_c, "n": n, "temperature": temperature,
+                       "modes": run_point(modes, prompt, n, args.new_tokens, temperature, args.seed, args.repeats)}
                 points.append(row)
                 print(_line(row), flush=True)
     doc = {

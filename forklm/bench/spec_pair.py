@@ -83,7 +83,7 @@ def build_pair(agreement: float, quantize: str | None, sharpness: float = 16.0, 
 def run_pair(args) -> dict:
     """The --pair sweep: per agreement, regular vs the draft model (auto and fixed k) at each
     n and temperature; a random prompt of m_c ids (the first context)."""
-    from forklm.bench.spec import _line, run_mode
+    from forklm.bench.spec import _line, run_mode, run_point
     from forklm.engine.engine import Engine, EngineConfig
     from forklm.models.quant import resolve_quantize
 
@@ -111,20 +111,8 @@ def run_pair(args) -> dict:
             run_mode(engine, prompt[:32], 2, 8, 0.0, 0)
         for temperature in temps:
             for n in ns:
-                best: dict[str, dict] = {}
-                for _ in range(args.repeats):
-                    for name, engine in modes.items():
-                        res = run_mode(engine, prompt, n, args.new_tokens, temperature, args.seed)
-                        if name not in best or res["decode_s"] < best[name]["decode_s"]:
-                            best[name] = res
-                ref = best["regular"]
-                ref_tokens = ref["tokens"]
-                row = {"agreement": agreement, "m_c": m_c, "n": n, "temperature": temperature, "modes": {}}
-                for name, res in best.items():
-                    res["identical"] = res.pop("tokens") == ref_tokens
-                    if name != "regular":
-                        res["speedup"] = round(ref["decode_s"] / res["decode_s"], 3)
-                    row["modes"][name] = res
+                row = {"agreement": agreement, "m_c": m_c, "n": n, "temperature": temperature,
+                       "modes": run_point(modes, prompt, n, args.new_tokens, temperature, args.seed, args.repeats)}
                 points.append(row)
                 print(f"agreement {agreement} " + _line(row), flush=True)
         del modes, draft
