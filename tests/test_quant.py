@@ -246,10 +246,10 @@ def test_smollm2_gguf_as_stored(smollm2_gguf, smollm2_f32):
     assert rel_err(prefill, ref_prefill) < 0.08  # prompt rows: dense copies
     assert rel_err(steps, ref_steps) < 0.08  # one row a step: the kernels
     f32_gguf = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
-    assert f32_gguf.quantize == "gguf"  # float32 models too: the kernels on bfloat16 activations
+    assert f32_gguf.quantize == "gguf"  # float32 models too (forklm's block kernel on AVX2 CPUs: test_block_gemm.py)
     held, ref = f32_gguf.model.layers[5]["gate_up"], smollm2_f32.model.layers[5]["gate_up"]
     ref = ref.t() if smollm2_f32.model.weight_layout == "in_out" else ref
-    assert rel_err(held.dense, ref) < 5e-3  # the file's blocks; scales rounded to bfloat16 once
+    assert rel_err(held.dense, ref) < 5e-3  # the file's blocks (exact with the block kernel; else scales in bfloat16)
     prefill, steps = model_logits(f32_gguf.model, ids[:-4], ids[-4:])
     assert rel_err(prefill, ref_prefill) < 0.08 and rel_err(steps, ref_steps) < 0.08
 

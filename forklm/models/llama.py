@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from forklm.config import ModelConfig, RopeConfig
 from forklm.errors import ModelFileError, UnsupportedModelError
 from forklm.models.quant import (
+    BlockLinear,
     BlockQuantized,
     QuantizedLinear,
     build_matrix,
@@ -237,7 +238,7 @@ class LlamaModel:
             if isinstance(t, QuantizedLinear):
                 if t.dense is not None and rows > t.max_rows:
                     return t.dense.numel() * t.dense.element_size()
-                return t.qweight.numel() * t.qweight.element_size() + t.scales.numel() * t.scales.element_size()
+                return sum(u.numel() * u.element_size() for u in t.kernel_tensors())
             return t.numel() * t.element_size()
 
         tensors = [self.norm, self.lm_head] + [t for layer in self.layers for t in layer.values() if t is not None]
@@ -262,6 +263,33 @@ class LlamaModel:
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         return cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)  # [T, 1, D]
 
+    # The three shapes of product in a layer. On forklm's block kernel (`BlockLinear`, rows within its
+    # `max_rows`, no bias) the operator before the product (RMSNorm, SwiGLU) runs inside the kernel's
+    # activation quantization and the residual add inside its output: one call instead of 3-5 small
+    # operators; otherwise the same steps as separate operators.
+    @staticmethod
+    def _fuses(w, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return isinstance(w, BlockLinear) and bias is None and x.shape[0] <= w.max_rows and x.dtype == torch.float32
+
+    def _norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, w, bias) -> torch.Tensor:
+        """linear(rms_norm(x))"""
+        if self._fuses(w, x, bias):
+            return w.kernel_fused(x, norm_weight=norm, eps=eps)
+        return self._linear(rms_norm(x, norm, eps), w, bias)
+
+    def _linear_add(self, a: torch.Tensor, w, bias, residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(a)"""
+        if self._fuses(w, a, bias):
+            return w.kernel_fused(a, residual=residual)
+        return residual + self._linear(a, w, bias)
+
+    def _swiglu_linear_add(self, gate_up: torch.Tensor, w, bias, residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(silu(gate) * up) for gate_up = [gate | up]"""
+        if self._fuses(w, gate_up, bias):
+            return w.kernel_fused(gate_up, swiglu=True, residual=residual)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return residual + self._linear(F.silu(gate) * up, w, bias)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -275,21 +303,19 @@ class LlamaModel:
         T = input_ids.shape[0]
         x = self.embed[input_ids]  # [T, H]
         cos, sin = self._rope(positions)
+        eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            y = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-            qkv = self._linear(y, layer["qkv"], layer["qkv_bias"])
+            qkv = self._norm_linear(x, layer["attn_norm"], eps, layer["qkv"], layer["qkv_bias"])
             qk = apply_rope(qkv[:, : (h + g) * D].view(T, h + g, D), cos, sin)  # q and k heads in one pass
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + g) * D :].view(T, g, D)
             a = attention.attend(i, q, k, v)  # [T, h, D]
-            x = x + self._linear(a.reshape(T, h * D), layer["o"], layer["o_bias"])
-            y = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            gate, up = self._linear(y, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer["down"], layer["down_bias"])
+            x = self._linear_add(a.reshape(T, h * D), layer["o"], layer["o_bias"], x)
+            gate_up = self._norm_linear(x, layer["mlp_norm"], eps, layer["gate_up"], layer["gate_up_bias"])
+            x = self._swiglu_linear_add(gate_up, layer["down"], layer["down_bias"], x)
         if logits_rows is not None:
             x = x[logits_rows]
-        x = rms_norm(x, self.norm, c.rms_norm_eps)
-        logits = self._linear(x, self.lm_head).float()
+        logits = self._norm_linear(x, self.norm, eps, self.lm_head, None).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")  # padding rows: no token has these ids
         return logits

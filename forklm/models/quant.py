@@ -52,6 +52,11 @@ KERNEL_MAX_ROWS_WIDE = {"int4": 12, "int8": 4}  # out_features >= WIDE_OUT (the 
 KERNEL_MAX_ROWS_F32 = {"int4": 16, "int8": 16}
 KERNEL_MAX_ROWS_F32_WIDE = {"int4": 64, "int8": 16}
 WIDE_OUT = 16384
+# forklm's block kernel (float32 models on AVX2 CPUs, GGUF Q4_1 / Q8_0 blocks): rows per step at or
+# below which it runs, above which the dense float32 copy (measured on a 2-core AVX2 EPYC, README
+# "Quantized weights").
+BLOCK_KERNEL_MAX_ROWS = 32
+BLOCK_KERNEL_MAX_ROWS_WIDE = 64
 
 
 def kernel_max_rows(kind: str, out_features: int, dense_dtype: torch.dtype) -> int:
@@ -149,6 +154,14 @@ class BlockQuantized:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
+    def to_block_weights(self):
+        """The layout forklm's block kernel reads (`forklm.kernels.block_gemm.BlockWeights`)."""
+        from forklm.kernels import block_gemm
+
+        if self.kind == "q4_1":
+            return block_gemm.pack_q4_1(self.q, self.d, self.m)
+        return block_gemm.pack_q8_0(self.q, self.d)
+
 
 def read_gguf_blocks(kind_name: str, raw, shape: tuple[int, int]) -> BlockQuantized:
     """Q4_1 or Q8_0 bytes of a GGUF tensor ([rows, bytes per row] uint8) -> BlockQuantized [out, in]."""
@@ -220,6 +233,10 @@ class QuantizedLinear:
         padded = self.scales.shape[1]  # rows padded to a multiple of 64 (see _int4)
         return _int4_values(unpack_int4(self.qweight, padded, self.in_features), self.scales)[: self.out_features]
 
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """What the kernel reads (packed weights and scales)."""
+        return [self.qweight, self.scales]
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.qweight, self.scales] + ([self.dense] if self.dense is not None else [])
 
@@ -230,6 +247,51 @@ class QuantizedLinear:
         dense = f", dense copy {self.dense.dtype}" if self.dense is not None else ""
         return (f"QuantizedLinear({self.kind}, out={self.out_features}, in={self.in_features}, "
                 f"kernel for T <= {self.max_rows}{dense})")
+
+
+class BlockLinear(QuantizedLinear):
+    """y = x @ wᵀ with w [out, in] kept as a GGUF file's Q4_1 / Q8_0 blocks, run by forklm's AVX2
+    integer kernel (`forklm.kernels.block_gemm`: activations quantized per row and block of 32, as
+    llama.cpp does; each row's result depends on that row alone), and a dense float32 copy of the
+    same weights for steps of more than `max_rows` rows."""
+
+    def __init__(self, blocks, dense_dtype: torch.dtype, max_rows: int | None = None, keep_dense: bool = True):
+        self.blocks = blocks  # forklm.kernels.block_gemm.BlockWeights
+        self.kind = blocks.kind  # "q4_1" | "q8_0"
+        self.out_features, self.in_features = blocks.n, blocks.k
+        self.dtype = torch.float32  # the kernel's activations
+        self.dense_dtype = dense_dtype
+        if max_rows is None:
+            max_rows = BLOCK_KERNEL_MAX_ROWS_WIDE if blocks.n >= WIDE_OUT else BLOCK_KERNEL_MAX_ROWS
+        self.max_rows = max_rows
+        self.dense = self.dequantize().to(dense_dtype) if keep_dense else None
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        from forklm.kernels import block_gemm
+
+        return block_gemm.gemm(x, self.blocks)
+
+    def kernel_fused(self, x: torch.Tensor, **fusions) -> torch.Tensor:
+        """The kernel with a prologue / residual (`block_gemm.gemm`'s keywords); float32 x."""
+        from forklm.kernels import block_gemm
+
+        return block_gemm.gemm(x, self.blocks, **fusions)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > self.max_rows:
+            return F.linear(x, self.dense, bias)
+        y = self.kernel(x.float())
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return self.blocks.dequantize()
+
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        return self.blocks.tensors()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.blocks.tensors() + ([self.dense] if self.dense is not None else [])
 
 
 def _int4_values(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -345,6 +407,8 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
     a float tensor in a GGUF file stays float (returned as is by the caller, not here).
     """
     if isinstance(w, BlockQuantized):
+        if how == "gguf" and kw.get("dense_dtype") == torch.float32 and block_kernel_available():
+            return BlockLinear(w.to_block_weights(), torch.float32, keep_dense=kw.get("keep_dense", True))
         if how == "gguf":
             if w.kind == "q4_1":
                 return int4_from_q4_1(w, dtype, **kw)
@@ -370,6 +434,16 @@ def kernels_pay_off(dtype: torch.dtype, device: torch.device) -> bool:
     bfloat16 and float32 models alike (a float32 model's activations are rounded to bfloat16 for the
     kernel: the kernels' float32 variants measured 5-50x slower than a dense float32 product)."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+
+def block_kernel_available() -> bool:
+    """Whether GGUF Q4_1 / Q8_0 blocks run on forklm's own kernel: x86-64 with AVX2, FMA and F16C
+    (a fixed rule of the CPU's features) and the kernel built (on first use; see
+    `forklm.kernels.block_gemm`). Used for float32 models (CPUs without native bfloat16); bfloat16
+    models keep PyTorch's int4 kernel, measured on those CPUs."""
+    from forklm.kernels import block_gemm
+
+    return block_gemm.available()
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,204 @@
+"""GGUF Q4_1 / Q8_0 weight blocks times float32 activations on x86 CPUs with AVX2: integer dot
+products over activations quantized per row and block of 32 (csrc/block_gemm.cpp, built on first
+use with PyTorch's C++ extension loader and cached under ~/.cache/torch_extensions).
+
+Why our own kernel: PyTorch ships no Q4 x Q8 integer product for x86 (its int4 CPU kernel takes
+bfloat16 activations and is compute-bound on AVX2), torchao's PyPI wheel has CUDA kernels only, and
+fbgemm's dynamic int8 linear scales all rows of a step together (a sample's logits would depend on
+its batch). Rows here are quantized one by one, so each row's result depends on that row alone.
+
+    w = pack_q4_1(q, d, m)   # BlockWeights: the GGUF blocks' values and float16 scales
+    y = gemm(x, w)           # x float32 [T, K] -> y float32 [T, N]
+
+`gemm_reference` is the slow, obvious version the tests hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+BLOCK = 32
+_SOURCE = Path(__file__).parent / "csrc" / "block_gemm.cpp"
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU runs the kernel (x86-64 with AVX2, FMA and F16C): a fixed rule of its features."""
+    return platform.machine() in ("x86_64", "AMD64") and all(f in cpu_flags() for f in REQUIRED_CPU_FLAGS)
+
+
+@lru_cache(maxsize=1)
+def _extension():
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name="forklm_block_gemm",
+        sources=[str(_SOURCE)],
+        # -fopenmp: at::parallel_for is inline OpenMP; the process already holds torch's libgomp.so.1,
+        # which the extension's libgomp.so.1 dependency resolves to (one thread pool)
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1",
+    )
+
+
+@lru_cache(maxsize=1)
+def build_error() -> str | None:
+    """None when the kernel is built and loaded (building it on first call), else why not."""
+    if not cpu_supports():
+        return f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)} (or is not x86-64)"
+    try:
+        _extension()
+    except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return None
+
+
+def available() -> bool:
+    return build_error() is None
+
+
+# ----------------------------------------------------------------------------- block layouts
+@dataclass
+class BlockWeights:
+    """A weight [N, K] as the kernel reads it: the GGUF blocks' values and float16 scales in
+    separate arrays (so 8 blocks' scales load at once).
+
+    q4_1: qs uint8 [N, K/2] (per block of 32: value j in the low nibble of byte j, value j + 16 in
+          its high nibble, as GGUF stores it), d and m float16 [N, K/32]: w = d·q + m.
+    q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
+    """
+
+    kind: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    n: int
+    k: int
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qs, self.d, self.m) if t is not None]
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [N, K] uint8 0..15 or int8, d float32 [N, K/32], m float32 or None)."""
+        if self.kind == "q4_1":
+            nib = self.qs.view(self.n, self.k // BLOCK, 16)
+            q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
+            return q, self.d.float(), self.m.float()
+        return self.qs, self.d.float(), None
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: d·q (+ m) per block, in float32 as gguf's numpy dequantization computes it."""
+        q, d, m = self.unpack()
+        w = q.float().view(self.n, self.k // BLOCK, BLOCK) * d.unsqueeze(-1)
+        if m is not None:
+            w = w + m.unsqueeze(-1)
+        return w.view(self.n, self.k)
+
+
+def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:
+    """q uint8 [N, K] in 0..15, d and m [N, K/32] holding float16 values."""
+    n, k = q.shape
+    _check_k(k)
+    qb = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
+    qs = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    return BlockWeights("q4_1", qs, _exact_half(d, "d"), _exact_half(m, "m"), n, k)
+
+
+def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
+    """q int8 [N, K], d [N, K/32] holding float16 values."""
+    n, k = q.shape
+    _check_k(k)
+    return BlockWeights("q8_0", q.to(torch.int8).contiguous(), _exact_half(d, "d"), None, n, k)
+
+
+def _check_k(k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"block weights need K divisible by {BLOCK}, got {k}")
+
+
+def _exact_half(t: torch.Tensor, name: str) -> torch.Tensor:
+    h = t.to(torch.float16)
+    if not torch.equal(h.float(), t.float()):
+        raise ValueError(f"block scale {name} is not a float16 value (the GGUF blocks hold float16)")
+    return h.contiguous()
+
+
+# ----------------------------------------------------------------------------- products
+PLAIN, RMS_NORM, SWIGLU = 0, 1, 2  # what the kernel does to a row before quantizing it
+
+
+def gemm(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [T, K] times w [N, K] transposed -> float32 [T, N], with optional fusions:
+
+    norm_weight [K]: the rows are RMS-normalized first (w ⊙ x / sqrt(mean(x²) + eps)).
+    swiglu: x is [T, 2K] = [gate | up] and the product takes silu(gate) ⊙ up.
+    residual [T, N]: returned is residual + the product.
+    """
+    ext = _extension()
+    if norm_weight is not None and swiglu:
+        raise ValueError("one prologue at a time: norm_weight or swiglu")
+    mode = RMS_NORM if norm_weight is not None else SWIGLU if swiglu else PLAIN
+    if w.kind == "q4_1":
+        return ext.gemm_q4_1(x, w.qs, w.d, w.m, mode, norm_weight, eps, residual)
+    return ext.gemm_q8_0(x, w.qs, w.d, mode, norm_weight, eps, residual)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's own activation quantization (for tests): q int8 [T, K], d, d·Σq float32 [T, K/32]."""
+    q, d, s = _extension().quantize_q8(x)
+    return q, d, s
+
+
+def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row and block of 32: d = max|x| / 127, q = round_half_even(x · (1/d)), s = d · Σq."""
+    t, k = x.shape
+    xb = x.float().reshape(t, k // BLOCK, BLOCK)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1))
+    s = d * q.sum(-1)
+    return q.to(torch.int8).reshape(t, k), d, s
+
+
+def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tensor | None = None,
+                   eps: float = 0.0, swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The slow, obvious product: the prologue in float32 PyTorch operators, integer block sums in
+    int64, scales applied in float64."""
+    if norm_weight is not None:
+        x = norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    if residual is not None:
+        return residual + gemm_reference(x, w)
+    t, k = x.shape
+    nb = k // BLOCK
+    qx, dx, sx = quantize_q8_reference(x)
+    qw, dw, mw = w.unpack()
+    isum = torch.einsum("tbi,obi->tob", qx.long().view(t, nb, BLOCK), qw.long().view(w.n, nb, BLOCK))  # [T, N, nb]
+    y = (isum.double() * dx.double().unsqueeze(1) * dw.double().unsqueeze(0)).sum(-1)
+    if mw is not None:
+        y = y + sx.double() @ mw.double().t()
+    return y.float()

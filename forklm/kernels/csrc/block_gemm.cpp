@@ -1,0 +1,311 @@
+// Products of float32 activations with GGUF Q4_1 / Q8_0 weight blocks on x86 CPUs with AVX2,
+// as integer dot products (the scheme llama.cpp uses on these CPUs, written here for PyTorch).
+//
+// Weights [N, K] stay in the file's blocks of 32 values along K:
+//   Q4_1  {fp16 d, fp16 m, uint8 qs[16]}  w = d·q + m, q in 0..15 (value j: low nibble of qs[j],
+//         value j + 16: its high nibble)                                       20 bytes per block
+//   Q8_0  {fp16 d, int8 qs[32]}           w = d·q                              34 bytes per block
+// Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
+//   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
+// and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ mw·sx for Q4_1), blocks summed in order.
+//
+// Batch invariance: row t's result depends on row t alone (per-row activation scales; a row's
+// operations are the same whichever tile of rows it shares), so a sample's numbers never depend on
+// the other rows of a step. Threads split the output columns, never a dot product.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// One row block of 32 floats -> 32 int8, its scale and scale·Σq (the scalar rule the Python
+// reference repeats: amax / 127 in float32, its reciprocal, x·id rounded half to even).
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float dd = amax / 127.f;
+  const float id = dd != 0.f ? 1.f / dd : 0.f;
+  int sum = 0;
+  for (int i = 0; i < QK; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * id));  // default rounding: half to even
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = dd;
+  *s = dd * static_cast<float>(sum);
+}
+
+struct QuantizedRows {
+  torch::Tensor q, d, s;  // int8 [T, K], float32 [T, K/32], float32 [T, K/32]
+};
+
+// What the kernel does to a row of x before quantizing it (so the op before a product needs no
+// pass of its own):
+//   PLAIN    the row as is                                         x [T, K]
+//   RMSNORM  w ⊙ (x · 1/sqrt(mean(x²) + eps)) (transformers' order)  x [T, K], w [K]
+//   SWIGLU   silu(g) ⊙ u for x = [g | u]                           x [T, 2K]
+enum Prologue : int64_t { PLAIN = 0, RMSNORM = 1, SWIGLU = 2 };
+
+// Σ x² of one row in a fixed order (8 lanes, lanes summed, then the tail).
+inline float sum_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float r = hsum(acc);
+  for (; i < n; ++i) r = std::fma(x[i], x[i], r);
+  return r;
+}
+
+void prologue_row(const float* x, int64_t K, Prologue mode, const float* w, float eps, float* out) {
+  if (mode == RMSNORM) {
+    const float r = 1.f / std::sqrt(sum_squares(x, K) / static_cast<float>(K) + eps);
+    for (int64_t i = 0; i < K; ++i) out[i] = w[i] * (x[i] * r);
+  } else {  // SWIGLU
+    const float* u = x + K;
+    for (int64_t i = 0; i < K; ++i) out[i] = x[i] / (1.f + std::exp(-x[i])) * u[i];
+  }
+}
+
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, const float* w, float eps) {
+  const int64_t T = x.size(0), nb = K / QK, stride = x.size(1);
+  QuantizedRows r{torch::empty({T, K}, torch::kInt8), torch::empty({T, nb}, torch::kFloat32),
+                  torch::empty({T, nb}, torch::kFloat32)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = r.q.data_ptr<int8_t>();
+  float* dp = r.d.data_ptr<float>();
+  float* sp = r.s.data_ptr<float>();
+  if (mode == PLAIN) {
+    at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) quantize_block(xp + b * QK, qp + b * QK, dp + b, sp + b);
+    });
+    return r;
+  }
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    std::vector<float> row(K);
+    for (int64_t t = t0; t < t1; ++t) {
+      prologue_row(xp + t * stride, K, mode, w, eps, row.data());
+      for (int64_t b = 0; b < nb; ++b)
+        quantize_block(row.data() + b * QK, qp + t * K + b * QK, dp + t * nb + b, sp + t * nb + b);
+    }
+  });
+  return r;
+}
+
+// Weights as three arrays per matrix (the file's blocks split so scales load 8 at a time):
+//   qs  uint8 [N, nb·16] (Q4_1: two values a byte) | int8 [N, K] (Q8_0)
+//   d   fp16 [N, nb]     m  fp16 [N, nb] (Q4_1 only)
+struct Weights {
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;  // nullptr for Q8_0
+  int64_t nb;
+  int64_t row_bytes;  // of qs
+};
+
+struct Acts {
+  const int8_t* q;  // [T, K]
+  const float* d;   // [T, nb]
+  const float* s;   // [T, nb]
+  int64_t K, nb;
+};
+
+inline void halves_to_float(const uint16_t* h, float* f, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) f[i] = half_to_float(h[i]);
+}
+
+// Σ_b a[b]·b[b] in a fixed order (8 lanes, then the lanes summed, then the tail): the same for
+// every (output, row) pair whatever tile it is computed in.
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float r = hsum(acc);
+  for (; i < n; ++i) r = std::fma(a[i], b[i], r);
+  return r;
+}
+
+template <bool Q41>
+inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
+  if constexpr (Q41) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + o * w.row_bytes + b * QK));
+  }
+}
+
+// 8 int32 partial sums of w·x over one block of 32.
+template <bool Q41>
+inline __m256i block_dot(__m256i wv, __m256i xv) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Q41) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);  // q in 0..15 (unsigned) times int8
+  } else {
+    // |w| as unsigned times x carrying w's sign (|w| <= 128, |x| <= 127: no int16 overflow)
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+  }
+}
+
+// y[j·N + o + i] for i < TO outputs, j < TN activation rows. scratch: >= TO·(TN + 2)·nb floats.
+template <bool Q41, int TO, int TN>
+void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
+  const int64_t nb = w.nb;
+  float* dw = scratch;                 // [TO, nb]
+  float* mw = dw + TO * nb;            // [TO, nb]
+  float* sc = mw + TO * nb;            // [TO, TN, nb]: dw·dx per block
+  float mt[TO][TN];                    // Σ_b mw·sx
+  for (int i = 0; i < TO; ++i) {
+    halves_to_float(w.d + (o + i) * nb, dw + i * nb, nb);
+    if constexpr (Q41) halves_to_float(w.m + (o + i) * nb, mw + i * nb, nb);
+    for (int j = 0; j < TN; ++j) {
+      float* s = sc + (i * TN + j) * nb;
+      const float* dxj = x.d + j * nb;
+      for (int64_t b = 0; b < nb; ++b) s[b] = dw[i * nb + b] * dxj[b];
+      mt[i][j] = Q41 ? dot(mw + i * nb, x.s + j * nb, nb) : 0.f;
+    }
+  }
+  __m256 acc[TO][TN];
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wv[TO];
+    for (int i = 0; i < TO; ++i) wv[i] = load_weights<Q41>(w, o + i, b);
+    for (int j = 0; j < TN; ++j) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
+      for (int i = 0; i < TO; ++i) {
+        const __m256 p = _mm256_cvtepi32_ps(block_dot<Q41>(wv[i], xv));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (i * TN + j) * nb + b), p, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + mt[i][j];
+}
+
+// Outputs [o0, o1) for TN rows: TO outputs at a time, the remainder one by one.
+template <bool Q41, int TO, int TN>
+void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
+  int64_t o = o0;
+  for (; o + TO <= o1; o += TO) tile<Q41, TO, TN>(w, o, x, y, N, scratch);
+  for (; o < o1; ++o) tile<Q41, 1, TN>(w, o, x, y, N, scratch);
+}
+
+constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while tiles of T pass over them
+
+template <bool Q41>
+torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
+                   const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
+                   double eps, const std::optional<torch::Tensor>& residual) {
+  const torch::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(),
+              "activations must be a float32 CPU matrix [T, K]");
+  TORCH_CHECK(mode_in >= PLAIN && mode_in <= SWIGLU, "prologue must be 0 (plain), 1 (rms_norm) or 2 (swiglu)");
+  const Prologue mode = static_cast<Prologue>(mode_in);
+  const int64_t T = x.size(0), K = mode == SWIGLU ? x.size(1) / 2 : x.size(1), nb = K / QK, n = qs.size(0);
+  TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  const int64_t row_bytes = Q41 ? nb * 16 : K;
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
+              "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.size(0) == n && d.size(1) == nb,
+              "block scales d must be contiguous float16 [N, K/32]");
+  if (Q41)
+    TORCH_CHECK(m.dim() == 2 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.size(0) == n &&
+                m.size(1) == nb, "block minima m must be contiguous float16 [N, K/32]");
+  torch::Tensor nw;
+  if (mode == RMSNORM) {
+    TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
+    nw = norm_weight->contiguous();
+    TORCH_CHECK(nw.scalar_type() == torch::kFloat32 && nw.numel() == K, "rms_norm weight must be float32 [", K, "]");
+  }
+  torch::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.dim() == 2 && res.size(0) == T && res.size(1) == n,
+                "residual must be float32 [", T, ", ", n, "]");
+  }
+  torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
+  if (T == 0 || n == 0) return y;
+  const QuantizedRows xq = quantize_rows(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr,
+                                         static_cast<float>(eps));
+  const Weights w{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                  Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes};
+  const int8_t* qx = xq.q.data_ptr<int8_t>();
+  const float* dx = xq.d.data_ptr<float>();
+  const float* sx = xq.s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
+  at::parallel_for(0, n, 16, [&](int64_t a, int64_t z) {
+    std::vector<float> scratch(4 * 6 * nb);
+    for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
+      const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4)
+        tile_rows<Q41, 2, 4>(w, c0, c1, Acts{qx + t * K, dx + t * nb, sx + t * nb, K, nb}, yp + t * n, n, scratch.data());
+      const Acts rest{qx + t * K, dx + t * nb, sx + t * nb, K, nb};
+      switch (T - t) {
+        case 3: tile_rows<Q41, 2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+        case 2: tile_rows<Q41, 4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+        case 1: tile_rows<Q41, 4, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+        default: break;
+      }
+      if (rp != nullptr)  // y = residual + x·Wᵀ (one rounding, as `residual + product` would round)
+        for (int64_t tt = 0; tt < T; ++tt)
+          for (int64_t o = c0; o < c1; ++o) yp[tt * n + o] = rp[tt * n + o] + yp[tt * n + o];
+    }
+  });
+  return y;
+}
+
+torch::Tensor gemm_q4_1(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                        const torch::Tensor& m, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
+                        double eps, const std::optional<torch::Tensor>& residual) {
+  return gemm<true>(x, qs, d, m, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, int64_t prologue,
+                        const std::optional<torch::Tensor>& norm_weight, double eps,
+                        const std::optional<torch::Tensor>& residual) {
+  return gemm<false>(x, qs, d, d, prologue, norm_weight, eps, residual);
+}
+
+std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x_in) {
+  const torch::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu() && x.size(1) % QK == 0,
+              "activations must be a float32 CPU matrix [T, K] with K a multiple of 32");
+  QuantizedRows r = quantize_rows(x, x.size(1), PLAIN, nullptr, 0.f);
+  return {r.q, r.d, r.s};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d, m fp16 [N, K/32])");
+  m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])");
+  m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])");
+}
