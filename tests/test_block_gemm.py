@@ -78,6 +78,7 @@ def test_block_weights_round_trip_the_gguf_values():
         assert torch.equal(w.dequantize(), b.dequantize())  # the float loader's values, bit for bit
         q, d, m = w.unpack()
         assert torch.equal(q.view(torch.uint8), b.q.view(torch.uint8)) and torch.equal(d, b.d)
+        assert (m is None) == (b.m is None) and (m is None or torch.equal(m, b.m))
     with pytest.raises(ValueError, match="not a float16 value"):
         bg.pack_q8_0(torch.zeros(2, 32, dtype=torch.int8), torch.full((2, 1), 0.1))
 
@@ -108,7 +109,6 @@ def test_block_linear_switches_to_the_dense_copy_above_max_rows():
 def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_f32):
     """SmolLM2's file: layers Q4_1, tied embedding / LM head Q8_0, all kept as stored (no re-rounding)."""
     from forklm import LLM
-
     from tests.test_quant import model_logits
 
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")

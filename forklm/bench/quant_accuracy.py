@@ -63,18 +63,29 @@ def perplexity(model, ids: list[int]) -> float:
     return math.exp(float(nll))
 
 
-def teacher_forced_argmax(model, prompt: list[int], forced: list[int]) -> list[int]:
-    """Argmax after the prompt and after each forced token, one row a step (the decode path)."""
+def decode_rows(model, prompt: list[int], forced: list[int]):
+    """Logits [V] after the prompt and after each forced token but the last, one row a step (the
+    decode path: the quantized kernels run as they do for a sample), yielded one at a time."""
     c = model.config
     cache = ForkedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, len(prompt), len(forced), 1, model.dtype, "cpu")
     logits = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), PrefillAttention(cache), torch.tensor([-1]))
     cache.fork()
-    out = [int(logits[-1].argmax())]
+    yield logits[-1]
     for i, tok in enumerate(forced[:-1]):
         step = model.forward(torch.tensor([tok]), torch.tensor([len(prompt) + i]), DecodeAttention(cache, "standard"))
         cache.own_len += 1
-        out.append(int(step[-1].argmax()))
-    return out
+        yield step[-1]
+
+
+def teacher_forced_argmax(model, prompt: list[int], forced: list[int]) -> list[int]:
+    """Argmax after the prompt and after each forced token, one row a step (the decode path)."""
+    return [int(row.argmax()) for row in decode_rows(model, prompt, forced)]
+
+
+def perplexity_decode(model, ids: list[int]) -> float:
+    """Perplexity of the text read one token a step (every row through the decode path's kernels)."""
+    nll = [-float(torch.log_softmax(row.double(), -1)[tok]) for row, tok in zip(decode_rows(model, ids[:1], ids[1:]), ids[1:])]
+    return math.exp(sum(nll) / len(nll))
 
 
 def run(model_name: str, tokens: int, configs: list[str]) -> dict:
@@ -90,7 +101,8 @@ def run(model_name: str, tokens: int, configs: list[str]) -> dict:
         prompts = [llm.prompt_token_ids(p) for p in PROMPTS]
         text_ids = llm.tokenizer.encode(text)
         row = {"dtype": dtype, "quantize": llm.quantize, "weight_bytes": llm.model.num_weight_bytes(),
-               "text_tokens": len(text_ids), "perplexity": perplexity(llm.model, text_ids)}
+               "text_tokens": len(text_ids), "perplexity": perplexity(llm.model, text_ids),
+               "perplexity_decode": perplexity_decode(llm.model, text_ids)}
         greedy = [llm.sample(p, n=1, max_tokens=tokens, temperature=0.0, ignore_eos=True).samples[0].token_ids
                   for p in prompts]
         if name == configs[0]:
@@ -110,8 +122,10 @@ def run(model_name: str, tokens: int, configs: list[str]) -> dict:
         print(json.dumps({name: {k: v for k, v in row.items() if k != "free_running_common_prefix"}}), flush=True)
         del llm
     base = results[configs[0]]["perplexity"]
+    base_decode = results[configs[0]]["perplexity_decode"]
     for row in results.values():
         row["perplexity_vs_reference"] = row["perplexity"] / base - 1
+        row["perplexity_decode_vs_reference"] = row["perplexity_decode"] / base_decode - 1
     return {"machine": machine_info(), "threads": torch.get_num_threads(), "model": model_name, "reference": configs[0], "tokens": tokens,
             "text": str(TEXT.relative_to(TEXT.parents[2])), "prompts": PROMPTS, "configs": results}
 
@@ -136,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
-    print(f"{'config':10} {'ppl':>8} {'vs f32':>8} {'free-run':>9} {'prefix':>7} {'forced':>7} {'MiB':>6}")
+    print(f"{'config':10} {'ppl':>8} {'vs f32':>8} {'ppl dec':>8} {'free-run':>9} {'prefix':>7} {'forced':>7} {'MiB':>6}")
     for name, r in result["configs"].items():
-        print(f"{name:10} {r['perplexity']:8.3f} {r['perplexity_vs_reference']:+8.2%} {r['free_running_agreement']:9.1%} "
+        print(f"{name:10} {r['perplexity']:8.3f} {r['perplexity_vs_reference']:+8.2%} {r['perplexity_decode']:8.3f} "
+              f"{r['free_running_agreement']:9.1%} "
               f"{r['free_running_common_prefix_mean']:7.1f} {r['teacher_forced_agreement']:7.1%} "
               f"{r['weight_bytes'] / 2**20:6.0f}")
     return 0

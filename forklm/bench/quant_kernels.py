@@ -1,5 +1,5 @@
 """Weight-product kernels per shape: dense float32 / bfloat16 against PyTorch's int8 and int4 CPU
-kernels, at the rows T a step has (decode: T = samples; prefill chunks: hundreds). This picks
+kernels and forklm's AVX2 block kernel on GGUF Q4_1 / Q8_0 blocks (where it builds), at the rows T a step has (decode: T = samples; prefill chunks: hundreds). This picks
 `forklm.models.quant.KERNEL_MAX_ROWS` (README "Quantized weights").
 
     python -m forklm.bench.quant_kernels [--rows 1,2,4,8,16,32,64,256] [--out bench/results/quant_kernels_cpu.json]
@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from forklm.bench.machine import machine_info
-from forklm.models.quant import int4_from_float, int8_from_float
+from forklm.kernels import block_gemm
+from forklm.models.quant import BlockQuantized, int4_from_float, int8_from_float
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
@@ -50,6 +51,13 @@ def run(rows: list[int], float32_kernel_rows: list[int]) -> dict:
              ("int4", torch.bfloat16): int4_from_float(w, torch.bfloat16, keep_dense=False, max_rows=1 << 30),
              ("int8", torch.float32): int8_from_float(w, torch.float32, keep_dense=False),
              ("int4", torch.float32): int4_from_float(w, torch.float32, keep_dense=False)}
+        blocks = {}
+        if block_gemm.available():  # forklm's AVX2 kernel on GGUF blocks (random values of the file's types)
+            nb = k // 32
+            d = (torch.rand(n, nb) * 0.01).half().float()
+            blocks["q4_1"] = BlockQuantized("q4_1", torch.randint(0, 16, (n, k), dtype=torch.uint8), d,
+                                            (-torch.rand(n, nb) * 0.1).half().float()).to_block_weights()
+            blocks["q8_0"] = BlockQuantized("q8_0", torch.randint(-127, 128, (n, k), dtype=torch.int8), d).to_block_weights()
         for T in rows:
             x32 = torch.randn(T, k)
             xbf = x32.to(torch.bfloat16)
@@ -57,6 +65,8 @@ def run(rows: list[int], float32_kernel_rows: list[int]) -> dict:
                  "dense_float32": time_ms(lambda x=x32, w=w32_t: torch.matmul(x, w)),
                  "dense_float32_out_in": time_ms(lambda x=x32, w=w: F.linear(x, w)),
                  "dense_bfloat16": time_ms(lambda x=xbf, w=wbf: F.linear(x, w))}
+            for kind, bw in blocks.items():  # float32 activations (quantized per row inside)
+                p[f"block_{kind}"] = time_ms(lambda x=x32, bw=bw: block_gemm.gemm(x, bw))
             for kind in ("int8", "int4"):
                 ql = q[(kind, torch.bfloat16)]
                 p[f"{kind}_bfloat16"] = time_ms(lambda x=xbf, ql=ql: ql.kernel(x))

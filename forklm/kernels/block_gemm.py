@@ -66,7 +66,7 @@ def build_error() -> str | None:
         return f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)} (or is not x86-64)"
     try:
         _extension()
-    except Exception as e:  # no compiler, no ninja, a failed build: the caller falls back
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the caller falls back
         return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return None
 
