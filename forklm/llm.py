@@ -97,7 +97,8 @@ class LLM:
     float32), "float32", "bfloat16", "float16" (CUDA). device: "auto", "cpu", "cuda".
     quantize: weights kept quantized at run time (CPU; forklm/models/quant.py, README "Quantized
     weights"): "int8" (per output channel), "int4" (groups of 32; embedding/LM head int8), "gguf" (a GGUF file's Q4_1 blocks
-    as stored, Q8_0 re-quantized to int8 per channel), None; "auto" (default): "gguf" for a GGUF
+    as stored; on a float32 model with AVX2 its Q8_0 blocks too, both on forklm's block kernel,
+    else Q8_0 re-quantized to int8 per channel), None; "auto" (default): "gguf" for a GGUF
     file with quantized blocks on CPU, else None (a fixed rule, no timing probe).
     speculative: speculative sampling on this LLM's engines (README "Speculative sampling"): None
     (off), "ngram", or a dict / `SpeculativeConfig` ({"method": "ngram", "num_draft_tokens":

@@ -10,7 +10,8 @@ its batch). Rows here are quantized one by one, so each row's result depends on 
     w = pack_q4_1(q, d, m)   # BlockWeights: the GGUF blocks' values and float16 scales
     y = gemm(x, w)           # x float32 [T, K] -> y float32 [T, N]
 
-`gemm_reference` is the slow, obvious version the tests hold the kernel to.
+`gemm_reference` is the slow, obvious version the tests hold the kernel to. FORKLM_BLOCK_KERNEL=0 in
+the environment turns the kernel off (GGUF blocks then run on PyTorch's int4 kernel, as without AVX2).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def _extension():
 @lru_cache(maxsize=1)
 def build_error() -> str | None:
     """None when the kernel is built and loaded (building it on first call), else why not."""
+    if os.environ.get("FORKLM_BLOCK_KERNEL", "1") == "0":
+        return "disabled by FORKLM_BLOCK_KERNEL=0"
     if not cpu_supports():
         return f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)} (or is not x86-64)"
     try:
