@@ -157,3 +157,21 @@ def test_fused_prologues_and_residual_match_their_operators(kind, t):
         bg.gemm(x, w, norm_weight=torch.rand(64), eps=1e-5)
     with pytest.raises(RuntimeError, match="residual"):
         bg.gemm(x, w, residual=torch.randn(t, 95))
+
+
+def test_kernel_can_be_turned_off_and_gguf_falls_back_to_pytorch_int4():
+    import subprocess
+    import sys
+
+    code = ("import torch; from forklm.models import quant; from forklm.kernels import block_gemm as bg; "
+            "print(bg.build_error()); "
+            "from forklm.models.quant import BlockQuantized; "
+            "b = BlockQuantized('q4_1', torch.randint(0, 16, (64, 64), dtype=torch.uint8), torch.full((64, 2), 0.01), "
+            "torch.full((64, 2), -0.05)); "
+            "w = quant.quantize_weight(b, 'gguf', torch.bfloat16, dense_dtype=torch.float32); print(w.kind)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "FORKLM_BLOCK_KERNEL": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["disabled by FORKLM_BLOCK_KERNEL=0", "int4"]
+    b = random_blocks("q4_1", 64, 64, seed=2)
+    assert quant.quantize_weight(b, "gguf", torch.bfloat16, dense_dtype=torch.float32).kind == "q4_1"  # here: on
