@@ -175,3 +175,21 @@ def test_kernel_can_be_turned_off_and_gguf_falls_back_to_pytorch_int4():
     assert out.stdout.split("\n")[:2] == ["disabled by FORKLM_BLOCK_KERNEL=0", "int4"]
     b = random_blocks("q4_1", 64, 64, seed=2)
     assert quant.quantize_weight(b, "gguf", torch.bfloat16, dense_dtype=torch.float32).kind == "q4_1"  # here: on
+
+
+def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
+    w = torch.randn(70, 96, generator=torch.Generator().manual_seed(4)) * 0.05
+    w[3, :32] = 0.125  # a constant block: d = 0, exact
+    b = quant.q4_1_from_float(w)
+    assert b.q.max() <= 15 and torch.equal(b.d, b.d.half().float()) and torch.equal(b.m, b.m.half().float())
+    deq = b.dequantize()
+    assert torch.equal(deq[3, :32], w[3, :32])
+    lo = w.view(70, 3, 32).amin(-1)
+    bound = (b.d / 2 + (b.m - lo).abs() + 1e-6).repeat_interleave(32, dim=1)
+    assert ((deq - w).abs() <= bound).all()  # each value within half a step (and m's float16 rounding)
+    lin = quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.float32)
+    assert isinstance(lin, BlockLinear) and lin.kind == "q4_1" and torch.equal(lin.dense, deq)
+    x = torch.randn(5, 96)
+    assert rel_err(lin(x), bg.gemm_reference(x, lin.blocks)) < 1e-5
+    # bfloat16 models keep PyTorch's int4 kernel
+    assert quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.bfloat16).kind == "int4"

@@ -168,7 +168,9 @@ def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, to
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].double()
     assert isinstance(model.layers[0]["qkv"], QuantizedLinear) and isinstance(model.lm_head, QuantizedLinear)
-    assert model.layers[0]["qkv"].dense.dtype == dtype and model.layers[0]["qkv"].dtype == torch.bfloat16
+    on_block_kernel = how == "int4" and dtype == torch.float32 and quant.block_kernel_available()  # Q4_1 blocks
+    kernel_dtype = torch.float32 if on_block_kernel else torch.bfloat16
+    assert model.layers[0]["qkv"].dense.dtype == dtype and model.layers[0]["qkv"].dtype == kernel_dtype
     prefill, steps = model_logits(model, prompt, decode)  # prompt rows: dense copies; steps: the kernels
     assert prefill.dtype == steps.dtype == torch.float32
     assert rel_err(prefill, ref[:34]) < tol
@@ -183,14 +185,15 @@ def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, to
 
 
 def test_quantized_float32_model_runs_the_kernel_on_bfloat16_activations(tmp_path):
-    """A float32 model's quantized product: the kernel on activations rounded to bfloat16 for few rows,
-    the float32 dense copy of the same weights above; both multiply the same dequantized weights."""
+    """A float32 model's int8 product (int4 runs forklm's block kernel where it builds:
+    test_block_gemm.py): PyTorch's kernel on activations rounded to bfloat16 for few rows, the float32
+    dense copy of the same weights above; both multiply the same dequantized weights."""
     save_random(tmp_path, "llama-mha")
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
-    model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"), quantize="int4")
+    model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"), quantize="int8")
     w = load_hf_weights(tmp_path)["model.layers.1.mlp.down_proj.weight"]
     held = model.layers[1]["down"]
-    expect = int4_from_float(w, torch.bfloat16, keep_dense=False).dequantize()  # bfloat16 scales
+    expect = int8_from_float(w, torch.bfloat16, keep_dense=False).dequantize()  # bfloat16 scales
     assert torch.equal(held.dequantize(), expect) and torch.equal(held.dense, expect)
     x = torch.randn(held.max_rows + 1, w.shape[1], generator=torch.Generator().manual_seed(3))
     wide = held(x)  # dense float32 rows

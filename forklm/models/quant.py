@@ -417,8 +417,26 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
     if how == "int8":
         return int8_from_float(w, dtype, **kw)
     if how == "int4":
+        if kw.get("dense_dtype") == torch.float32 and w.shape[1] % GROUP_SIZE == 0 and block_kernel_available():
+            return BlockLinear(q4_1_from_float(w).to_block_weights(), torch.float32, keep_dense=kw.get("keep_dense", True))
         return int4_from_float(w, dtype, **kw)
     raise InvalidArgumentError(f"cannot quantize a float weight as {how!r}")
+
+
+def q4_1_from_float(w: torch.Tensor) -> BlockQuantized:
+    """A float weight [out, in] as GGUF Q4_1 blocks (what `quantize="int4"` becomes on forklm's block
+    kernel): per block of 32 along `in`, d = (max − min) / 15 and m = min, both rounded to float16,
+    then q = round((w − m) / d) in 0..15 against the rounded values (d = 0: a constant block, q = 0)."""
+    _check_shape("int4", tuple(w.shape))
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round((g - m.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp(0, 15)
+    q = torch.where((d == 0).unsqueeze(-1), torch.zeros_like(q), q)
+    return BlockQuantized("q4_1", q.to(torch.uint8).view(n, k), d, m)
 
 
 def head_format(how: str | None) -> str | None:
