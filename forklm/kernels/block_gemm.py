@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -45,10 +46,30 @@ def cpu_supports() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and all(f in cpu_flags() for f in REQUIRED_CPU_FLAGS)
 
 
+def _remove_stale_lock(name: str, max_age_s: float = 600.0) -> None:
+    """A build killed half-way leaves torch's lock file behind and the next `load` waits on it
+    forever: a lock older than any build here (~40 s) is removed."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+    except Exception:  # noqa: BLE001, S110 - a private helper of torch's: never fail because of it
+        pass
+
+
+def _torch_uses_libgomp() -> bool:
+    """The kernel's threads are OpenMP's: it links libgomp.so.1, which resolves to the copy torch
+    loaded. A torch on another OpenMP runtime would get a second thread pool: not built then."""
+    return (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
+
+
 @lru_cache(maxsize=1)
 def _extension():
     from torch.utils.cpp_extension import load
 
+    _remove_stale_lock("forklm_block_gemm")
     return load(
         name="forklm_block_gemm",
         sources=[str(_SOURCE)],
@@ -67,6 +88,8 @@ def build_error() -> str | None:
         return "disabled by FORKLM_BLOCK_KERNEL=0"
     if not cpu_supports():
         return f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)} (or is not x86-64)"
+    if not _torch_uses_libgomp():
+        return "this torch does not run on GNU OpenMP (libgomp), which the kernel's threads share"
     try:
         _extension()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the caller falls back
@@ -175,13 +198,18 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row and block of 32: d = max|x| / 127, q = round_half_even(x · (1/d)), s = d · Σq."""
+    """Per row and block of 32: d = max|x| / 127, q = round_half_even(x · (1/d)), s = d · Σq (d below
+    the smallest normal float: q = 0; a non-finite value in the block: d = s = NaN, q = 0)."""
     t, k = x.shape
     xb = x.float().reshape(t, k // BLOCK, BLOCK)
     d = xb.abs().amax(-1) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv.unsqueeze(-1))
+    inv = torch.where(d >= torch.finfo(torch.float32).tiny, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127)
     s = d * q.sum(-1)
+    bad = ~torch.isfinite(xb).all(-1)  # a NaN / inf in the block: scales NaN, values 0
+    q = torch.where(bad.unsqueeze(-1), torch.zeros_like(q), q)
+    d = torch.where(bad, torch.full_like(d, float("nan")), d)
+    s = torch.where(bad, torch.full_like(s, float("nan")), s)
     return q.to(torch.int8).reshape(t, k), d, s
 
 

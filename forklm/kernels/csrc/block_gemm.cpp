@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -38,15 +39,27 @@ inline float hsum(__m256 v) {
 }
 
 // One row block of 32 floats -> 32 int8, its scale and scale·Σq (the scalar rule the Python
-// reference repeats: amax / 127 in float32, its reciprocal, x·id rounded half to even).
+// reference repeats: amax / 127 in float32, its reciprocal, x·id rounded half to even). A block
+// holding a NaN or an infinity gets d = s = NaN (the product's rows then come out NaN, as a dense
+// product's would); a block whose scale is below FLT_MIN quantizes to zeros (1/d would overflow).
 inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
   float amax = 0.f;
-  for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  bool finite = true;
+  for (int i = 0; i < QK; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::fmax(amax, std::fabs(x[i]));
+  }
+  if (!finite) {
+    for (int i = 0; i < QK; ++i) q[i] = 0;
+    *d = *s = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
   const float dd = amax / 127.f;
-  const float id = dd != 0.f ? 1.f / dd : 0.f;
+  const float id = dd >= std::numeric_limits<float>::min() ? 1.f / dd : 0.f;
   int sum = 0;
   for (int i = 0; i < QK; ++i) {
-    const int v = static_cast<int>(std::nearbyint(x[i] * id));  // default rounding: half to even
+    const float r = std::fmin(127.f, std::fmax(-127.f, std::nearbyint(x[i] * id)));  // default rounding: half to even
+    const int v = static_cast<int>(r);
     q[i] = static_cast<int8_t>(v);
     sum += v;
   }
@@ -179,9 +192,8 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
   float* mw = dw + TO * nb;            // [TO, nb]
   float* sc = mw + TO * nb;            // [TO, TN, nb]: dw·dx per block
   float mt[TO][TN];                    // Σ_b mw·sx
-  {  // the weights two tiles ahead into cache (values and scales; prefetches never fault past the end):
-     // 1.3x on a decode step's products, whose weights stream from memory (measured, AVX2 EPYC)
-    const int64_t ahead = o + 2 * TO;
+  const int64_t ahead = o + 2 * TO;  // the weights two tiles ahead into cache (values and scales): 1.3x
+  if (ahead + TO <= N) {             // on a decode step's products, whose weights stream from memory
     const char* values = reinterpret_cast<const char*>(w.qs + ahead * w.row_bytes);
     for (int64_t off = 0; off < TO * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
     const char* scales = reinterpret_cast<const char*>(w.d + ahead * nb);
@@ -244,21 +256,22 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const int64_t row_bytes = Q41 ? nb * 16 : K;
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
               "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
-  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.size(0) == n && d.size(1) == nb,
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
+                  d.size(1) == nb,
               "block scales d must be contiguous float16 [N, K/32]");
   if (Q41)
-    TORCH_CHECK(m.dim() == 2 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.size(0) == n &&
+    TORCH_CHECK(m.dim() == 2 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() && m.size(0) == n &&
                 m.size(1) == nb, "block minima m must be contiguous float16 [N, K/32]");
   torch::Tensor nw;
   if (mode == RMSNORM) {
     TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
     nw = norm_weight->contiguous();
-    TORCH_CHECK(nw.scalar_type() == torch::kFloat32 && nw.numel() == K, "rms_norm weight must be float32 [", K, "]");
+    TORCH_CHECK(nw.scalar_type() == torch::kFloat32 && nw.is_cpu() && nw.numel() == K, "rms_norm weight must be float32 [", K, "]");
   }
   torch::Tensor res;
   if (residual.has_value()) {
     res = residual->contiguous();
-    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.dim() == 2 && res.size(0) == T && res.size(1) == n,
+    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.is_cpu() && res.dim() == 2 && res.size(0) == T && res.size(1) == n,
                 "residual must be float32 [", T, ", ", n, "]");
   }
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
