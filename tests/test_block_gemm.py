@@ -209,3 +209,12 @@ def test_non_finite_activations_reach_the_output_and_tiny_blocks_are_zero(kind):
         assert torch.equal(got, want) or torch.allclose(got, want, equal_nan=True, atol=0, rtol=0)
     assert bg.quantize_q8(x)[0][3, :32].eq(0).all()
     assert rel_err(y[3:], bg.gemm_reference(x[3:], w)) < 1e-5
+
+
+def test_step_breakdown_bench_counts_the_kernel_calls(smollm2_gguf):
+    from forklm.bench.block_kernel_step import measure
+
+    (row,) = measure([(40, 2)], profile=True)
+    layers = 30  # SmolLM2-135M: 4 products a layer and the LM head each step
+    assert row["block_kernel"] and row["step_ms"] > 0 and row["kernel_calls_per_step"] >= 4 * layers + 1
+    assert row["kernel_ms_per_step"] < row["step_ms"] and row["torch_ops_per_step"] > 0

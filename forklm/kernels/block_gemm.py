@@ -134,12 +134,10 @@ class BlockWeights:
         return self.qs, self.d.float(), None
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]: d·q (+ m) per block, in float32 as gguf's numpy dequantization computes it."""
-        q, d, m = self.unpack()
-        w = q.float().view(self.n, self.k // BLOCK, BLOCK) * d.unsqueeze(-1)
-        if m is not None:
-            w = w + m.unsqueeze(-1)
-        return w.view(self.n, self.k)
+        """float32 [N, K]: d·q (+ m) per block (`BlockQuantized.dequantize` of the unpacked values)."""
+        from forklm.models.quant import BlockQuantized
+
+        return BlockQuantized(self.kind, *self.unpack()).dequantize()
 
 
 def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:

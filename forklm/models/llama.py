@@ -274,19 +274,19 @@ class LlamaModel:
     def _norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, w, bias) -> torch.Tensor:
         """linear(rms_norm(x))"""
         if self._fuses(w, x, bias):
-            return w.kernel_fused(x, norm_weight=norm, eps=eps)
+            return w.kernel(x, norm_weight=norm, eps=eps)
         return self._linear(rms_norm(x, norm, eps), w, bias)
 
     def _linear_add(self, a: torch.Tensor, w, bias, residual: torch.Tensor) -> torch.Tensor:
         """residual + linear(a)"""
         if self._fuses(w, a, bias):
-            return w.kernel_fused(a, residual=residual)
+            return w.kernel(a, residual=residual)
         return residual + self._linear(a, w, bias)
 
     def _swiglu_linear_add(self, gate_up: torch.Tensor, w, bias, residual: torch.Tensor) -> torch.Tensor:
         """residual + linear(silu(gate) * up) for gate_up = [gate | up]"""
         if self._fuses(w, gate_up, bias):
-            return w.kernel_fused(gate_up, swiglu=True, residual=residual)
+            return w.kernel(gate_up, swiglu=True, residual=residual)
         gate, up = gate_up.chunk(2, dim=-1)
         return residual + self._linear(F.silu(gate) * up, w, bias)
 

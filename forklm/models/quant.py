@@ -238,7 +238,7 @@ class QuantizedLinear:
         return [self.qweight, self.scales]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.qweight, self.scales] + ([self.dense] if self.dense is not None else [])
+        return self.kernel_tensors() + ([self.dense] if self.dense is not None else [])
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -266,13 +266,8 @@ class BlockLinear(QuantizedLinear):
         self.max_rows = max_rows
         self.dense = self.dequantize().to(dense_dtype) if keep_dense else None
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        from forklm.kernels import block_gemm
-
-        return block_gemm.gemm(x, self.blocks)
-
-    def kernel_fused(self, x: torch.Tensor, **fusions) -> torch.Tensor:
-        """The kernel with a prologue / residual (`block_gemm.gemm`'s keywords); float32 x."""
+    def kernel(self, x: torch.Tensor, **fusions) -> torch.Tensor:
+        """float32 x; fusions: a prologue / residual (`block_gemm.gemm`'s keywords)."""
         from forklm.kernels import block_gemm
 
         return block_gemm.gemm(x, self.blocks, **fusions)
@@ -289,9 +284,6 @@ class BlockLinear(QuantizedLinear):
 
     def kernel_tensors(self) -> list[torch.Tensor]:
         return self.blocks.tensors()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self.blocks.tensors() + ([self.dense] if self.dense is not None else [])
 
 
 def _int4_values(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -407,7 +399,7 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
     a float tensor in a GGUF file stays float (returned as is by the caller, not here).
     """
     if isinstance(w, BlockQuantized):
-        if how == "gguf" and kw.get("dense_dtype") == torch.float32 and block_kernel_available():
+        if how == "gguf" and _on_block_kernel(kw):
             return BlockLinear(w.to_block_weights(), torch.float32, keep_dense=kw.get("keep_dense", True))
         if how == "gguf":
             if w.kind == "q4_1":
@@ -417,10 +409,16 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
     if how == "int8":
         return int8_from_float(w, dtype, **kw)
     if how == "int4":
-        if kw.get("dense_dtype") == torch.float32 and w.shape[1] % GROUP_SIZE == 0 and block_kernel_available():
+        if w.shape[1] % GROUP_SIZE == 0 and _on_block_kernel(kw):
             return BlockLinear(q4_1_from_float(w).to_block_weights(), torch.float32, keep_dense=kw.get("keep_dense", True))
         return int4_from_float(w, dtype, **kw)
     raise InvalidArgumentError(f"cannot quantize a float weight as {how!r}")
+
+
+def _on_block_kernel(kw: dict) -> bool:
+    """Whether `quantize_weight` (called with these keywords) builds a `BlockLinear`: a float32 model
+    and the block kernel available."""
+    return kw.get("dense_dtype") == torch.float32 and block_kernel_available()
 
 
 def q4_1_from_float(w: torch.Tensor) -> BlockQuantized:

@@ -1,10 +1,10 @@
 // Products of float32 activations with GGUF Q4_1 / Q8_0 weight blocks on x86 CPUs with AVX2,
 // as integer dot products (the scheme llama.cpp uses on these CPUs, written here for PyTorch).
 //
-// Weights [N, K] stay in the file's blocks of 32 values along K:
-//   Q4_1  {fp16 d, fp16 m, uint8 qs[16]}  w = d·q + m, q in 0..15 (value j: low nibble of qs[j],
-//         value j + 16: its high nibble)                                       20 bytes per block
-//   Q8_0  {fp16 d, int8 qs[32]}           w = d·q                              34 bytes per block
+// Weights [N, K] keep the file's blocks of 32 values along K, their values and scales held in
+// separate arrays (`Weights` below):
+//   Q4_1  w = d·q + m, q in 0..15 (value j: low nibble of byte j, value j + 16: its high nibble)
+//   Q8_0  w = d·q, q int8
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
 // and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ mw·sx for Q4_1), blocks summed in order.

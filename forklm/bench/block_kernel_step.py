@@ -1,0 +1,126 @@
+"""Where a decode step's time goes with forklm's block kernel, and the step with it turned off.
+
+    python -m forklm.bench.block_kernel_step [--points 256x1,256x8,256x64] [--rounds 2]
+        [--out bench/results/block_kernel_step_cpu_avx2.json]
+
+Per point (m_c x n, random-token prompt, 33 new tokens per sample, temperature 0.8, top-p 0.95) and
+round: `LLM.sample` on the default model, median step time (wall / 32 decode steps); the block
+kernel's own time and calls per step (its Python entry point timed); a torch.profiler pass giving
+the flash-attention kernels' time per step and the number of PyTorch operators per step; then the
+same sample in a child process with FORKLM_BLOCK_KERNEL=0 (PyTorch's int4 kernel on bfloat16
+activations, what forklm ran before), rounds interleaved. Run it alone (`flock
+/tmp/forklm_bench.lock ...`): this VM's run-to-run spread is 10-20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from forklm.bench.machine import machine_info
+
+NEW_TOKENS = 33
+
+
+def _prompt(m_c: int) -> list[int]:
+    return torch.randint(100, 40000, (m_c,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _run(llm, m_c: int, n: int, seed: int) -> float:
+    t = time.perf_counter()
+    llm.sample(_prompt(m_c), n=n, max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+    return (time.perf_counter() - t) / (NEW_TOKENS - 1) * 1e3
+
+
+def measure(points: list[tuple[int, int]], profile: bool) -> list[dict]:
+    """Step ms per point in this process (the kernel on or off as the environment says)."""
+    from forklm import LLM
+    from forklm.kernels import block_gemm
+
+    llm = LLM()
+    timed = {"s": 0.0, "calls": 0}
+    gemm = block_gemm.gemm
+
+    def timed_gemm(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return gemm(*a, **kw)
+        finally:
+            timed["s"] += time.perf_counter() - t
+            timed["calls"] += 1
+
+    block_gemm.gemm = timed_gemm
+    out = []
+    for m_c, n in points:
+        _run(llm, m_c, n, seed=1)  # prompt into the prefix cache, warm
+        timed.update(s=0.0, calls=0)
+        step = _run(llm, m_c, n, seed=2)
+        row = {"m_c": m_c, "n": n, "block_kernel": block_gemm.available(), "step_ms": step,
+               "kernel_ms_per_step": timed["s"] / (NEW_TOKENS - 1) * 1e3, "kernel_calls_per_step": timed["calls"] / (NEW_TOKENS - 1)}
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                _run(llm, m_c, n, seed=3)
+            events = prof.key_averages()
+            steps = NEW_TOKENS - 1
+            row["flash_attention_ms_per_step"] = sum(
+                e.self_cpu_time_total for e in events if "flash_attention" in e.key) / 1e3 / steps
+            row["torch_ops_per_step"] = sum(e.count for e in events if e.key.startswith("aten::")) / steps
+            row["torch_ops_self_ms_per_step"] = sum(
+                e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e3 / steps
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", default="256x1,256x8,256x64", help="m_c x n, comma-separated")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/block_kernel_step_cpu_avx2.json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measurement, JSON on stdout
+    args = ap.parse_args(argv)
+    points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
+    if args.child:
+        print(json.dumps(measure(points, profile=False)))
+        return 0
+    rounds = []
+    for r in range(args.rounds):
+        on = measure(points, profile=True)
+        child = subprocess.run([sys.executable, "-m", "forklm.bench.block_kernel_step", "--child", "--points", args.points],
+                               capture_output=True, text=True, check=True, env={**os.environ, "FORKLM_BLOCK_KERNEL": "0"})
+        off = json.loads(child.stdout.strip().splitlines()[-1])
+        rounds.append({"on": on, "off": off})
+        for a, b in zip(on, off):
+            print(f"round {r}: {a['m_c']} x {a['n']}: step {a['step_ms']:.1f} ms (block kernel {a['kernel_ms_per_step']:.1f} ms "
+                  f"in {a['kernel_calls_per_step']:.0f} calls, flash attention {a['flash_attention_ms_per_step']:.1f} ms, "
+                  f"{a['torch_ops_per_step']:.0f} PyTorch operators {a['torch_ops_self_ms_per_step']:.1f} ms); "
+                  f"kernel off: {b['step_ms']:.1f} ms", flush=True)
+    summary = []
+    for i, (m_c, n) in enumerate(points):
+        on = [r["on"][i] for r in rounds]
+        summary.append({"m_c": m_c, "n": n,
+                        "step_ms_median": statistics.median(x["step_ms"] for x in on),
+                        "step_ms_off_median": statistics.median(r["off"][i]["step_ms"] for r in rounds),
+                        "kernel_ms_per_step_median": statistics.median(x["kernel_ms_per_step"] for x in on),
+                        "flash_attention_ms_per_step_median": statistics.median(x["flash_attention_ms_per_step"] for x in on),
+                        "torch_ops_per_step_median": statistics.median(x["torch_ops_per_step"] for x in on)})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(), "new_tokens": NEW_TOKENS,
+                               "summary": summary, "rounds": rounds}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
