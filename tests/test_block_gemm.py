@@ -218,3 +218,5 @@ def test_step_breakdown_bench_counts_the_kernel_calls(smollm2_gguf):
     layers = 30  # SmolLM2-135M: 4 products a layer and the LM head each step
     assert row["block_kernel"] and row["step_ms"] > 0 and row["kernel_calls_per_step"] >= 4 * layers + 1
     assert row["kernel_ms_per_step"] < row["step_ms"] and row["torch_ops_per_step"] > 0
+    # decode steps run attention as one C++ call a layer (prefill: PyTorch's path)
+    assert row["cpu_attention"] and row["cpu_attention_calls_per_step"] == pytest.approx(layers, rel=0.05)

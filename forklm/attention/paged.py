@@ -49,6 +49,7 @@ from forklm.attention.auto import choose_decode_path
 from forklm.attention.segments import attend_segment, merge_partials
 from forklm.attention.shared_prefix import SharedSegment, shared_segments
 from forklm.cache.paged_kv import PagedKVCache, slot_runs, slots_of
+from forklm.kernels.cpu_attention import CpuAttentionPlan
 
 Runs = list[tuple[int, int]]  # [(first_slot, num_tokens), ...]
 
@@ -133,7 +134,7 @@ class StepPlan:
     extra: list[ExtraRead] = field(default_factory=list)  # shared segments, further tail runs
     num_shared_reads: int = 0  # shared-segment reads read once for several rows
     chunks: list[PrefillChunk] = field(default_factory=list)
-    kernel_plan: object = None  # kernels.segment_attention.SegmentPlan when decode rows use the Triton kernel
+    kernel_plan: object = None  # SegmentPlan (Triton) or CpuAttentionPlan (C++) when decode rows use one kernel
 
     @property
     def segments(self) -> list[ExtraRead]:
@@ -189,7 +190,7 @@ class StepPlanner:
         block_size: int,
         shared_attention: str,  # "auto" | "bifurcated" | "standard"
         device: torch.device,
-        decode_kernel: str = "torch",  # "torch" (a product per read) or "triton" (one fused kernel)
+        decode_kernel: str = "torch",  # "torch" (a product per read), "triton" or "cpu" (one fused kernel)
         num_heads: int = 0,  # needed by the Triton kernel's plan
         num_kv_heads: int = 0,
         num_slots: int | None = None,  # the pool's slots: enables masked reads of ragged tails (see TailGroup)
@@ -290,6 +291,9 @@ class StepPlanner:
                 prefixes.append(tuple(r.block_table[:n]))
             caches.append(cache)
         segments, tail_start = self._shared(rows, prefixes)
+        if self.decode_kernel == "cpu":  # items in the rows' own order: the C++ kernel needs no plan order
+            self._cpu_plan(plan, rows, segments, tail_start)
+            return
         tails = []
         live = set()
         for i, (r, cache) in enumerate(zip(rows, caches)):
@@ -377,6 +381,20 @@ class StepPlanner:
         self._segments_key, self._segments = key, result
         return result
 
+    def _cpu_plan(self, plan: StepPlan, rows: Sequence[DecodeRow], segments: list[SharedSegment],
+                  tail_start: list[int]) -> None:
+        from forklm.kernels.cpu_attention import plan_items
+        from forklm.kernels.segment_attention import SegmentItem
+
+        bs = self.block_size
+        items = [SegmentItem(seg.rows, seg.blocks, len(seg.blocks) * bs) for seg in segments]
+        for i, r in enumerate(rows):  # each row's tail: its own blocks, current token included
+            t = r.position
+            items.append(SegmentItem((i,), r.block_table[tail_start[i] : t // bs + 1], t + 1 - tail_start[i] * bs))
+        plan.kernel_plan = plan_items(items, len(rows), bs)
+        plan.extra = [ExtraRead(min(seg.rows), max(seg.rows) + 1, -1, 0, True) for seg in segments]
+        plan.num_shared_reads = len(segments)
+
     def _kernel_plan(self, plan, rows, order, position_of, segments, tail_start) -> None:
         from forklm.kernels.segment_attention import SegmentItem, plan_segments
 
@@ -460,6 +478,20 @@ class PagedAttention:
         self.plan = plan
         self._masks: dict[int, torch.Tensor] = {}  # tail group index -> its mask (the same in every layer)
 
+    @property
+    def fuses_rope(self) -> bool:
+        """Whether `attend_qkv` runs this step: all rows decode rows, on the CPU kernel."""
+        return isinstance(self.plan.kernel_plan, CpuAttentionPlan) and not self.plan.chunks
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """Rotary, K/V write and attention in one call (`fuses_rope` steps): qkv [T, (h + 2g)·D] float32
+        (the q/k/v product's rows), cos / sin_signed [T, 1, D] -> [T, h·D]."""
+        from forklm.kernels.cpu_attention import paged_attention
+
+        K, V = self.kv.k[layer], self.kv.v[layer]
+        h = qkv.shape[1] // K.shape[-1] - 2 * K.shape[0]
+        return paged_attention(qkv, K, V, self.plan.kernel_plan, h, rope=(cos, sin_signed, self.plan.write_slots))
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         T, h, D = q.shape
@@ -484,6 +516,10 @@ class PagedAttention:
         plan = self.plan
         B, h, D = q.shape
         p = h // g
+        if isinstance(plan.kernel_plan, CpuAttentionPlan):  # one C++ call (rows in their own order)
+            from forklm.kernels.cpu_attention import paged_attention
+
+            return paged_attention(q, self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, h, scale).view(B, h, D)
         if plan.kernel_plan is not None:  # every segment and tail in one kernel, merged exactly
             from forklm.kernels.segment_attention import segment_attention
 

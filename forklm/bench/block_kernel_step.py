@@ -1,15 +1,16 @@
-"""Where a decode step's time goes with forklm's block kernel, and the step with it turned off.
+"""Where a decode step's time goes on forklm's CPU kernels, and the step with one of them turned off.
 
     python -m forklm.bench.block_kernel_step [--points 256x1,256x8,256x64] [--rounds 2]
-        [--out bench/results/block_kernel_step_cpu_avx2.json]
+        [--off block-kernel | cpu-attention] [--out bench/results/block_kernel_step_cpu_avx2.json]
 
 Per point (m_c x n, random-token prompt, 33 new tokens per sample, temperature 0.8, top-p 0.95) and
 round: `LLM.sample` on the default model, median step time (wall / 32 decode steps); the block
-kernel's own time and calls per step (its Python entry point timed); a torch.profiler pass giving
-the flash-attention kernels' time per step and the number of PyTorch operators per step; then the
-same sample in a child process with FORKLM_BLOCK_KERNEL=0 (PyTorch's int4 kernel on bfloat16
-activations, what forklm ran before), rounds interleaved. Run it alone (`flock
-/tmp/forklm_bench.lock ...`): this VM's run-to-run spread is 10-20%.
+kernel's and the C++ attention's own time and calls per step (their Python entry points timed); a
+torch.profiler pass giving the flash-attention kernels' time per step (PyTorch's attention path) and
+the number of PyTorch operators per step; then the same sample in a child process with one kernel
+off: FORKLM_BLOCK_KERNEL=0 (PyTorch's int4 kernel on bfloat16 activations) or FORKLM_CPU_ATTENTION=0
+(PyTorch's attention path), rounds interleaved. Run it alone (`flock /tmp/forklm_bench.lock ...`):
+this VM's run-to-run spread is 10-20%.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from forklm.bench.machine import machine_info
 
 NEW_TOKENS = 33
+OFF_SWITCHES = {"block-kernel": "FORKLM_BLOCK_KERNEL", "cpu-attention": "FORKLM_CPU_ATTENTION"}
 
 
 def _prompt(m_c: int) -> list[int]:
@@ -43,28 +45,38 @@ def _run(llm, m_c: int, n: int, seed: int) -> float:
 def measure(points: list[tuple[int, int]], profile: bool) -> list[dict]:
     """Step ms per point in this process (the kernel on or off as the environment says)."""
     from forklm import LLM
-    from forklm.kernels import block_gemm
+    from forklm.kernels import block_gemm, cpu_attention
 
     llm = LLM()
-    timed = {"s": 0.0, "calls": 0}
-    gemm = block_gemm.gemm
+    timed = {"gemm": [0.0, 0], "paged_attention": [0.0, 0]}
 
-    def timed_gemm(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return gemm(*a, **kw)
-        finally:
-            timed["s"] += time.perf_counter() - t
-            timed["calls"] += 1
+    def timer(module, name):
+        fn = getattr(module, name)
 
-    block_gemm.gemm = timed_gemm
+        def timed_fn(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timed[name][0] += time.perf_counter() - t
+                timed[name][1] += 1
+
+        setattr(module, name, timed_fn)
+
+    timer(block_gemm, "gemm")
+    timer(cpu_attention, "paged_attention")
+    steps = NEW_TOKENS - 1
     out = []
     for m_c, n in points:
         _run(llm, m_c, n, seed=1)  # prompt into the prefix cache, warm
-        timed.update(s=0.0, calls=0)
+        for v in timed.values():
+            v[:] = [0.0, 0]
         step = _run(llm, m_c, n, seed=2)
-        row = {"m_c": m_c, "n": n, "block_kernel": block_gemm.available(), "step_ms": step,
-               "kernel_ms_per_step": timed["s"] / (NEW_TOKENS - 1) * 1e3, "kernel_calls_per_step": timed["calls"] / (NEW_TOKENS - 1)}
+        row = {"m_c": m_c, "n": n, "block_kernel": block_gemm.available(), "cpu_attention": cpu_attention.available(),
+               "step_ms": step, "kernel_ms_per_step": timed["gemm"][0] / steps * 1e3,
+               "kernel_calls_per_step": timed["gemm"][1] / steps,
+               "cpu_attention_ms_per_step": timed["paged_attention"][0] / steps * 1e3,
+               "cpu_attention_calls_per_step": timed["paged_attention"][1] / steps}
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -72,7 +84,6 @@ def measure(points: list[tuple[int, int]], profile: bool) -> list[dict]:
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                 _run(llm, m_c, n, seed=3)
             events = prof.key_averages()
-            steps = NEW_TOKENS - 1
             row["flash_attention_ms_per_step"] = sum(
                 e.self_cpu_time_total for e in events if "flash_attention" in e.key) / 1e3 / steps
             row["torch_ops_per_step"] = sum(e.count for e in events if e.key.startswith("aten::")) / steps
@@ -86,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default="256x1,256x8,256x64", help="m_c x n, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--off", choices=sorted(OFF_SWITCHES), default="block-kernel",
+                    help="the kernel the child process runs without")
     ap.add_argument("--out", default="bench/results/block_kernel_step_cpu_avx2.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measurement, JSON on stdout
     args = ap.parse_args(argv)
@@ -97,14 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         on = measure(points, profile=True)
         child = subprocess.run([sys.executable, "-m", "forklm.bench.block_kernel_step", "--child", "--points", args.points],
-                               capture_output=True, text=True, check=True, env={**os.environ, "FORKLM_BLOCK_KERNEL": "0"})
+                               capture_output=True, text=True, check=True, env={**os.environ, OFF_SWITCHES[args.off]: "0"})
         off = json.loads(child.stdout.strip().splitlines()[-1])
         rounds.append({"on": on, "off": off})
         for a, b in zip(on, off):
             print(f"round {r}: {a['m_c']} x {a['n']}: step {a['step_ms']:.1f} ms (block kernel {a['kernel_ms_per_step']:.1f} ms "
-                  f"in {a['kernel_calls_per_step']:.0f} calls, flash attention {a['flash_attention_ms_per_step']:.1f} ms, "
+                  f"in {a['kernel_calls_per_step']:.0f} calls, C++ attention {a['cpu_attention_ms_per_step']:.1f} ms in "
+                  f"{a['cpu_attention_calls_per_step']:.0f} calls, flash attention {a['flash_attention_ms_per_step']:.1f} ms, "
                   f"{a['torch_ops_per_step']:.0f} PyTorch operators {a['torch_ops_self_ms_per_step']:.1f} ms); "
-                  f"kernel off: {b['step_ms']:.1f} ms", flush=True)
+                  f"{args.off} off: {b['step_ms']:.1f} ms", flush=True)
     summary = []
     for i, (m_c, n) in enumerate(points):
         on = [r["on"][i] for r in rounds]
@@ -112,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                         "step_ms_median": statistics.median(x["step_ms"] for x in on),
                         "step_ms_off_median": statistics.median(r["off"][i]["step_ms"] for r in rounds),
                         "kernel_ms_per_step_median": statistics.median(x["kernel_ms_per_step"] for x in on),
+                        "cpu_attention_ms_per_step_median": statistics.median(x["cpu_attention_ms_per_step"] for x in on),
                         "flash_attention_ms_per_step_median": statistics.median(x["flash_attention_ms_per_step"] for x in on),
                         "torch_ops_per_step_median": statistics.median(x["torch_ops_per_step"] for x in on)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(), "new_tokens": NEW_TOKENS,
+    out.write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(), "new_tokens": NEW_TOKENS, "off": args.off,
                                "summary": summary, "rounds": rounds}, indent=1))
     print(f"wrote {out}")
     return 0

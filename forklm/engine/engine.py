@@ -53,7 +53,7 @@ from forklm.speculative.speculator import Speculator
 
 SCHEDULES = ("cache-aware", "fcfs")
 SHARED_ATTENTION = ("auto", "bifurcated", "standard")
-DECODE_KERNELS = ("auto", "torch", "triton")
+DECODE_KERNELS = ("auto", "torch", "triton", "cpu")
 
 
 @dataclass
@@ -69,7 +69,9 @@ class EngineConfig:
     cache_aware_max_waiting: int = 128  # more waiting requests than this: FCFS (ordering stays cheap)
     shared_attention: str = "auto"  # per shared segment: measured rule, always, or never
     defer_shared_prefill: bool = True  # wait for a running prefill of the same prefix, then hit it
-    decode_kernel: str = "auto"  # decode attention: "torch" (attend_segment per segment) or "triton" (one fused kernel)
+    # decode attention: "torch" (a PyTorch product per segment), "triton" (one fused kernel) or "cpu" (one
+    # C++ call per layer: float32 models on AVX2 CPUs); "auto": "cpu" where it runs, else "torch"
+    decode_kernel: str = "auto"
     max_num_seqs: int = 256  # running sequences (decode rows) at most; more samples wait for a slot
     lane_ahead_tokens: int = 256  # a sample's own blocks are reserved this far ahead, as one run, while blocks are plentiful
     # speculative sampling (README "Speculative sampling"): None (off), a method name ("ngram"), a
@@ -152,14 +154,17 @@ class Engine:
         self.limits = EngineLimits(
             model.config.vocab_size, model.config.max_position_embeddings, has_tokenizer, num_blocks, cfg.block_size
         )
-        self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model.device)
+        self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model)
         self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, model.dtype, model.device)
         self.kv_manager = KVManager(self.kv, num_blocks, cfg.block_size, cfg.prefix_cache, cfg.lane_ahead_tokens)
         self.pool, self.radix = self.kv_manager.pool, self.kv_manager.radix
         self.metrics = EngineMetrics()
         drafter = None
         if draft_model is not None:
-            drafter = DraftModelDrafter(draft_model, num_blocks, cfg.block_size, cfg.shared_attention, self.decode_kernel,
+            draft_kernel = self.decode_kernel
+            if draft_kernel == "cpu" and not _cpu_kernel_runs(draft_model):
+                draft_kernel = "torch"
+            drafter = DraftModelDrafter(draft_model, num_blocks, cfg.block_size, cfg.shared_attention, draft_kernel,
                                         model.config.vocab_size, spec.draft_temperature, spec.draft_top_p)
             self.kv_manager.draft_kv = drafter.kv
         self.drafter = drafter
@@ -429,13 +434,25 @@ def working_set_bytes(config, cfg: EngineConfig) -> int:
     return rows * config.vocab_size * 4 * 5
 
 
-def _resolve_decode_kernel(choice: str, device: torch.device) -> str:
+def _cpu_kernel_runs(model) -> bool:
+    from forklm.kernels import cpu_attention
+
+    return model.device.type == "cpu" and cpu_attention.supports(model.dtype, model.config.head_dim)
+
+
+def _resolve_decode_kernel(choice: str, model) -> str:
     from forklm.kernels.segment_attention import available
 
     if choice == "auto":
+        # CPU: the C++ kernel where it runs (a fixed rule: float32, AVX2, head dim a multiple of 16).
         # The Triton kernel is checked in Triton's interpreter only; it becomes the CUDA default once
         # it has been checked and timed on a GPU (issue 6).
-        return "torch"
+        return "cpu" if _cpu_kernel_runs(model) else "torch"
+    if choice == "cpu" and not _cpu_kernel_runs(model):
+        from forklm.kernels import cpu_attention
+
+        why = cpu_attention.build_error() or f"the model is {model.dtype} on {model.device.type}, head dim {model.config.head_dim}"
+        raise InvalidArgumentError(f"decode_kernel='cpu' needs a float32 CPU model with head dim a multiple of 16 on an AVX2 CPU ({why})")
     if choice == "triton" and not available():
         raise InvalidArgumentError("decode_kernel='triton' needs the triton package (pip install triton)")
     return choice

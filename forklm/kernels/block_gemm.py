@@ -65,14 +65,15 @@ def _torch_uses_libgomp() -> bool:
     return (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
 
 
-@lru_cache(maxsize=1)
-def _extension():
+def load_cpu_extension(name: str, source: Path):
+    """Builds (once per machine, cached under ~/.cache/torch_extensions) and loads one of forklm's
+    AVX2 C++ sources as a Python module."""
     from torch.utils.cpp_extension import load
 
-    _remove_stale_lock("forklm_block_gemm")
+    _remove_stale_lock(name)
     return load(
-        name="forklm_block_gemm",
-        sources=[str(_SOURCE)],
+        name=name,
+        sources=[str(source)],
         # -fopenmp: at::parallel_for is inline OpenMP; the process already holds torch's libgomp.so.1,
         # which the extension's libgomp.so.1 dependency resolves to (one thread pool)
         extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
@@ -81,20 +82,30 @@ def _extension():
     )
 
 
+def cpu_extension_error(load) -> str | None:
+    """None when `load()` builds and loads an extension on this machine, else why not."""
+    if not cpu_supports():
+        return f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)} (or is not x86-64)"
+    if not _torch_uses_libgomp():
+        return "this torch does not run on GNU OpenMP (libgomp), which the kernels' threads share"
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the caller falls back
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return None
+
+
+@lru_cache(maxsize=1)
+def _extension():
+    return load_cpu_extension("forklm_block_gemm", _SOURCE)
+
+
 @lru_cache(maxsize=1)
 def build_error() -> str | None:
     """None when the kernel is built and loaded (building it on first call), else why not."""
     if os.environ.get("FORKLM_BLOCK_KERNEL", "1") == "0":
         return "disabled by FORKLM_BLOCK_KERNEL=0"
-    if not cpu_supports():
-        return f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)} (or is not x86-64)"
-    if not _torch_uses_libgomp():
-        return "this torch does not run on GNU OpenMP (libgomp), which the kernel's threads share"
-    try:
-        _extension()
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the caller falls back
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-    return None
+    return cpu_extension_error(_extension)
 
 
 def available() -> bool:

@@ -32,6 +32,10 @@ class StepAttention(Protocol):
         """q [T, h, D], k/v [T, g, D] of the new tokens -> attention output [T, h, D]."""
         ...
 
+    # Optional: an attention with `fuses_rope` True takes the q/k/v product's rows [T, (h + 2g)·D]
+    # and the rotary tables [T, 1, D] in `attend_qkv(layer, qkv, cos, sin_signed)` -> [T, h·D]
+    # (rotary and the K/V write its own business).
+
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [D/2] (float32), with linear or Llama-3 scaling applied."""
@@ -304,12 +308,17 @@ class LlamaModel:
         x = self.embed[input_ids]  # [T, H]
         cos, sin = self._rope(positions)
         eps = c.rms_norm_eps
+        # a decode step on the CPU kernel: rotary, K/V write and attention in one call per layer
+        fused = getattr(attention, "fuses_rope", False) and x.dtype == torch.float32
         for i, layer in enumerate(self.layers):
             qkv = self._norm_linear(x, layer["attn_norm"], eps, layer["qkv"], layer["qkv_bias"])
-            qk = apply_rope(qkv[:, : (h + g) * D].view(T, h + g, D), cos, sin)  # q and k heads in one pass
-            q, k = qk[:, :h], qk[:, h:]
-            v = qkv[:, (h + g) * D :].view(T, g, D)
-            a = attention.attend(i, q, k, v)  # [T, h, D]
+            if fused:
+                a = attention.attend_qkv(i, qkv, cos, sin)  # [T, h·D]
+            else:
+                qk = apply_rope(qkv[:, : (h + g) * D].view(T, h + g, D), cos, sin)  # q and k heads in one pass
+                q, k = qk[:, :h], qk[:, h:]
+                v = qkv[:, (h + g) * D :].view(T, g, D)
+                a = attention.attend(i, q, k, v)  # [T, h, D]
             x = self._linear_add(a.reshape(T, h * D), layer["o"], layer["o_bias"], x)
             gate_up = self._norm_linear(x, layer["mlp_norm"], eps, layer["gate_up"], layer["gate_up_bias"])
             x = self._swiglu_linear_add(gate_up, layer["down"], layer["down_bias"], x)

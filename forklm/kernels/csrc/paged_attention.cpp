@@ -1,0 +1,416 @@
+// Decode attention over the paged KV cache on x86 CPUs with AVX2 (float32), as one call per layer:
+// rotary embedding of the new tokens' q and k, their K/V written into the cache, and every decode
+// row's attention over its KV segments, merged exactly by log-sum-exp.
+//
+// Work comes as items (the plan of kernels/segment_attention.py, for CPUs): an item is a run of KV
+// blocks holding `tokens` tokens, read by a set of rows. A shared prompt is one item listing every
+// sample that shares it (its K/V read once for all of them: the rows' p = h / g query heads of a KV
+// head are M = rows·p query vectors against the same keys, the bifurcated product); each row's own
+// tail is an item of its own. Long items are split along the keys into chunks (units of work for
+// the threads); every unit (item, KV head, chunk) yields per query vector a normalized partial
+// output and its log-sum-exp, and each (row, head) merges its partials in a fixed order:
+//   lse = log Σ exp(lse_u),  o = Σ exp(lse_u − lse) o_u            (docs/design.md)
+// Inside a unit, keys go in pieces of consecutive slots (up to 64) with an online softmax:
+//   S = (scale·Q) Kᵀ [M, n], m' = max(m, rowmax S), P = exp(S − m'), l = l·e^(m−m') + ΣP,
+//   acc = acc·e^(m−m') + P V.
+// Rotary: out[i] = x[i]·cos[i] + x[(i + D/2) mod D]·sin_signed[i] with sin_signed = [−sin₁, sin₂],
+// two products and a sum each rounded (built with -ffp-contract=off): bit for bit the model's
+// `apply_rope` in PyTorch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int64_t PIECE = 64;  // keys per piece of the online softmax (consecutive slots)
+
+// exp of 8 floats: Cody-Waite reduction by ln 2 and Cephes' degree-5 polynomial (~1 ulp on the
+// range that matters here, x <= 0); exp(-inf) = 0 exactly, NaN stays NaN.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  // NaN (second operand) passes through
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  // 2^fx through the exponent bits; fx = -127 (x at the clamp) gives +0
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+struct Items {
+  const int32_t* rows_start;   // [I + 1] CSR offsets into rows
+  const int32_t* rows;         // batch rows reading each item
+  const int32_t* blocks_start; // [I + 1] CSR offsets into blocks
+  const int32_t* blocks;       // the items' block ids, in order
+  const int32_t* tokens;       // [I] tokens of each item
+  int64_t num_items;
+};
+
+struct Unit {
+  int32_t item, head, n0, n1;  // KV head `head`, keys [n0, n1) of the item
+  int64_t part;                // first partial vector of the unit (M of them)
+};
+
+// S[m, 0:NP] = Q[m] · Kt[:, 0:NP] for MR query rows, Kt [D, NP] (NP a multiple of 16).
+template <int MR>
+inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t NP, float* s) {
+  for (int64_t n = 0; n < NP; n += 16) {
+    __m256 a0[MR], a1[MR];
+    for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(kt + d * NP + n), k1 = _mm256_loadu_ps(kt + d * NP + n + 8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 qb = _mm256_broadcast_ss(q + i * D + d);
+        a0[i] = _mm256_fmadd_ps(qb, k0, a0[i]);
+        a1[i] = _mm256_fmadd_ps(qb, k1, a1[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      _mm256_storeu_ps(s + i * NP + n, a0[i]);
+      _mm256_storeu_ps(s + i * NP + n + 8, a1[i]);
+    }
+  }
+}
+
+// acc[m, :] += P[m, 0:n] · V[0:n, :] for MR rows; V rows `vs` apart, D a multiple of 16.
+template <int MR>
+inline void pv_tile(const float* p, int64_t NP, int64_t n, const float* v, int64_t D, float* acc) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m256 a0[MR], a1[MR];
+    for (int i = 0; i < MR; ++i) {
+      a0[i] = _mm256_loadu_ps(acc + i * D + d);
+      a1[i] = _mm256_loadu_ps(acc + i * D + d + 8);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * D + d), v1 = _mm256_loadu_ps(v + j * D + d + 8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 pb = _mm256_broadcast_ss(p + i * NP + j);
+        a0[i] = _mm256_fmadd_ps(pb, v0, a0[i]);
+        a1[i] = _mm256_fmadd_ps(pb, v1, a1[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      _mm256_storeu_ps(acc + i * D + d, a0[i]);
+      _mm256_storeu_ps(acc + i * D + d + 8, a1[i]);
+    }
+  }
+}
+
+// S[m, j] = Q[m] · K[j] for all M query rows against n keys (rows D apart), straight from the cache
+// (no transposed copy: for few query rows the copy would cost more than the products). Four keys at
+// a time per query row: four independent FMA chains, reduced into the four scores with two hadds.
+inline void scores_direct(const float* q, int64_t M, int64_t D, const float* kp, int64_t n, int64_t NP, float* s) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* qm = q + m * D;
+    float* sm = s + m * NP;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const float* k = kp + j * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qm + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+      }
+      // hadd twice: lanes [a0 a1 a2 a3] of the low half plus those of the high half
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      _mm_storeu_ps(sm + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+    for (; j < n; ++j) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), _mm256_loadu_ps(kp + j * D + d), a);
+      sm[j] = hsum(a);
+    }
+  }
+}
+
+constexpr int64_t DIRECT_MAX_ROWS = 24;  // up to this many query rows a unit scores keys straight from the cache
+
+template <typename F4, typename F3, typename F2, typename F1>
+inline void by_rows(int64_t M, F4 f4, F3 f3, F2 f2, F1 f1) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) f4(m);
+  switch (M - m) {
+    case 3: f3(m); break;
+    case 2: f2(m); break;
+    case 1: f1(m); break;
+    default: break;
+  }
+}
+
+// One unit: M = rows·p query vectors (scaled, [M, D]) over keys [n0, n1) of the item in KV head j.
+// Writes the normalized output [M, D] and the log-sum-exp [M].
+void attend_unit(const float* q, int64_t M, int64_t D, const float* K, const float* V, const int32_t* blocks,
+                 int64_t bs, int64_t n0, int64_t n1, float* out, float* lse) {
+  thread_local std::vector<float> kt, s, acc, mx, l;
+  kt.resize(D * PIECE);
+  s.resize(M * PIECE);
+  acc.assign(M * D, 0.f);
+  mx.assign(M, -std::numeric_limits<float>::infinity());
+  l.assign(M, 0.f);
+  int64_t t = n0;
+  while (t < n1) {
+    // a piece: keys in consecutive slots (blocks adjacent in the pool), at most PIECE of them
+    const int64_t slot0 = static_cast<int64_t>(blocks[t / bs]) * bs + t % bs;
+    int64_t n = std::min(bs - t % bs, n1 - t);
+    while (n < PIECE && t + n < n1 && static_cast<int64_t>(blocks[(t + n) / bs]) * bs == slot0 + n)
+      n += std::min(bs, n1 - t - n);
+    n = std::min(n, PIECE);
+    const int64_t NP = (n + 15) / 16 * 16;
+    const float* kp = K + slot0 * D;
+    float* sp = s.data();
+    if (M <= DIRECT_MAX_ROWS) {
+      scores_direct(q, M, D, kp, n, NP, sp);
+    } else {
+      for (int64_t j = 0; j < NP; ++j)  // Kᵀ of the piece, zero columns past n
+        for (int64_t d = 0; d < D; ++d) kt[d * NP + j] = j < n ? kp[j * D + d] : 0.f;
+      by_rows(M,
+            [&](int64_t m) { scores_tile<4>(q + m * D, D, kt.data(), NP, sp + m * NP); },
+            [&](int64_t m) { scores_tile<3>(q + m * D, D, kt.data(), NP, sp + m * NP); },
+            [&](int64_t m) { scores_tile<2>(q + m * D, D, kt.data(), NP, sp + m * NP); },
+              [&](int64_t m) { scores_tile<1>(q + m * D, D, kt.data(), NP, sp + m * NP); });
+    }
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = sp + m * NP;
+      for (int64_t j = n; j < NP; ++j) row[j] = -std::numeric_limits<float>::infinity();
+      __m256 vmax = ninf;
+      for (int64_t j = 0; j < NP; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + j));
+      const float rmax = hmax(vmax);  // a NaN score spreads through P below
+      const float m_new = std::max(mx[m], rmax);
+      const float alpha = std::exp(mx[m] - m_new);  // mx = -inf at first: 0
+      const __m256 mb = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < NP; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mb));
+        _mm256_storeu_ps(row + j, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      l[m] = l[m] * alpha + hsum(sum);
+      mx[m] = m_new;
+      if (alpha != 1.f) {
+        const __m256 ab = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(&acc[m * D + d], _mm256_mul_ps(ab, _mm256_loadu_ps(&acc[m * D + d])));
+      }
+    }
+    const float* vp = V + slot0 * D;
+    by_rows(M,
+            [&](int64_t m) { pv_tile<4>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
+            [&](int64_t m) { pv_tile<3>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
+            [&](int64_t m) { pv_tile<2>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
+            [&](int64_t m) { pv_tile<1>(sp + m * NP, NP, n, vp, D, &acc[m * D]); });
+    t += n;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float inv = 1.f / l[m];
+    for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + d] * inv;
+    lse[m] = mx[m] + std::log(l[m]);
+  }
+}
+
+inline void rope_row(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) out[i] = x[i] * c[i] + x[(i + half) % D] * s[i];
+}
+
+// q_in: [T, (h + 2g)·D] (the q/k/v product's rows) when `cos` is given: rotary applied to q and k,
+// k and v written to the cache at write_slots, attention for rows [0, num_rows). Otherwise q_in is
+// [num_rows, h, D], already rotated, its K/V already in the cache. Returns o [num_rows, h·D].
+torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<torch::Tensor>& cos_in,
+                              const std::optional<torch::Tensor>& sin_in, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const std::optional<torch::Tensor>& slots_in,
+                              int64_t h, int64_t num_rows, const torch::Tensor& rows_start, const torch::Tensor& rows,
+                              const torch::Tensor& blocks_start, const torch::Tensor& blocks,
+                              const torch::Tensor& tokens, int64_t bs, double scale_in, int64_t chunk_tokens) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == torch::kFloat32 &&
+                  v_cache.scalar_type() == torch::kFloat32 && k_cache.is_cpu() && v_cache.is_cpu(),
+              "K/V caches must be contiguous float32 CPU tensors [g, slots, D] of one shape");
+  const int64_t g = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(h > 0 && g > 0 && h % g == 0, "num_heads (", h, ") must be a multiple of the cache's KV heads (", g, ")");
+  TORCH_CHECK(D % 16 == 0 && D > 0, "head dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(bs > 0 && S % bs == 0, "block size must divide the cache's slots");
+  const int64_t p = h / g;
+  for (const auto* t : {&rows_start, &rows, &blocks_start, &blocks, &tokens})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->is_cpu() && t->dim() == 1,
+                "plan tables must be contiguous int32 CPU vectors");
+  const int64_t I = tokens.size(0);
+  TORCH_CHECK(rows_start.size(0) == I + 1 && blocks_start.size(0) == I + 1, "plan tables disagree on the items");
+  const Items it{rows_start.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), blocks_start.data_ptr<int32_t>(),
+                 blocks.data_ptr<int32_t>(), tokens.data_ptr<int32_t>(), I};
+  const int64_t num_blocks = S / bs;
+  // the plan is checked in full: a bad index would read or write outside the cache
+  TORCH_CHECK(it.rows_start[0] == 0 && it.rows_start[I] == rows.size(0) && it.blocks_start[0] == 0 &&
+                  it.blocks_start[I] == blocks.size(0), "plan offsets out of range");
+  for (int64_t i = 0; i < I; ++i) {
+    const int64_t r0 = it.rows_start[i], r1 = it.rows_start[i + 1], b0 = it.blocks_start[i], b1 = it.blocks_start[i + 1];
+    TORCH_CHECK(r0 < r1 && b0 <= b1 && it.tokens[i] >= 1 && it.tokens[i] <= (b1 - b0) * bs,
+                "item ", i, " needs rows and at most as many tokens as its blocks hold");
+    for (int64_t r = r0; r < r1; ++r) TORCH_CHECK(it.rows[r] >= 0 && it.rows[r] < num_rows, "item row out of range");
+    for (int64_t b = b0; b < b1; ++b) TORCH_CHECK(it.blocks[b] >= 0 && it.blocks[b] < num_blocks, "block id out of range");
+  }
+  const float scale = static_cast<float>(scale_in);
+  float* K = k_cache.data_ptr<float>();
+  float* V = v_cache.data_ptr<float>();
+
+  torch::Tensor q;  // [num_rows, h, D] rotated queries
+  if (cos_in.has_value()) {
+    TORCH_CHECK(sin_in.has_value() && slots_in.has_value(), "rotary needs cos, sin and the write slots");
+    const torch::Tensor qkv = q_in.contiguous(), c = cos_in->contiguous(), s = sin_in->contiguous(),
+                        slots = slots_in->contiguous();
+    const int64_t T = qkv.size(0);
+    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_cpu() && qkv.size(1) == (h + 2 * g) * D,
+                "qkv must be float32 [T, (h + 2g)·D]");
+    TORCH_CHECK(c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32 && c.numel() == T * D &&
+                    s.numel() == T * D && c.is_cpu() && s.is_cpu(), "cos / sin must be float32 [T, D]");
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T && slots.is_cpu(), "write slots must be int64 [T]");
+    TORCH_CHECK(num_rows <= T, "more attention rows than tokens");
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "write slot ", sl[t], " outside the cache");
+    q = torch::empty({num_rows, h, D}, torch::kFloat32);
+    const float *xp = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    const int64_t W = (h + 2 * g) * D;
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> tmp(D);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float *x = xp + t * W, *ct = cp + t * D, *st = sp + t * D;
+        if (t < num_rows)
+          for (int64_t hh = 0; hh < h; ++hh) rope_row(x + hh * D, ct, st, D, qp + (t * h + hh) * D);
+        for (int64_t j = 0; j < g; ++j) {
+          rope_row(x + (h + j) * D, ct, st, D, K + (j * S + sl[t]) * D);
+          std::copy(x + (h + g + j) * D, x + (h + g + j + 1) * D, V + (j * S + sl[t]) * D);
+        }
+      }
+    });
+  } else {
+    q = q_in.contiguous();
+    TORCH_CHECK(q.dim() == 3 && q.size(0) == num_rows && q.size(1) == h && q.size(2) == D &&
+                    q.scalar_type() == torch::kFloat32 && q.is_cpu(), "q must be float32 [rows, h, D]");
+  }
+  torch::Tensor o = torch::empty({num_rows, h * D}, torch::kFloat32);
+  if (num_rows == 0 || I == 0) return o;
+
+  // units of work: (item, KV head, chunk of keys)
+  std::vector<Unit> units;
+  std::vector<int64_t> item_unit(I + 1), item_chunks(I);
+  const int64_t chunk = std::max<int64_t>(chunk_tokens, bs) / bs * bs;
+  int64_t parts = 0;
+  for (int64_t i = 0; i < I; ++i) {
+    item_unit[i] = static_cast<int64_t>(units.size());
+    const int64_t M = (it.rows_start[i + 1] - it.rows_start[i]) * p, n = it.tokens[i];
+    item_chunks[i] = (n + chunk - 1) / chunk;
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t n0 = 0; n0 < n; n0 += chunk) {
+        units.push_back(Unit{static_cast<int32_t>(i), static_cast<int32_t>(j), static_cast<int32_t>(n0),
+                             static_cast<int32_t>(std::min(n, n0 + chunk)), parts});
+        parts += M;
+      }
+  }
+  item_unit[I] = static_cast<int64_t>(units.size());
+  std::vector<float> part_o(parts * D), part_lse(parts);
+  const float* qp = q.data_ptr<float>();
+  const int64_t U = static_cast<int64_t>(units.size());
+  const int nt = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(U)));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+  for (int64_t u = 0; u < U; ++u) {
+    const Unit& un = units[u];
+    const int64_t r0 = it.rows_start[un.item], r1 = it.rows_start[un.item + 1], M = (r1 - r0) * p;
+    thread_local std::vector<float> qs;
+    qs.resize(M * D);  // the unit's query vectors, scaled: row r's heads j·p .. j·p + p − 1
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t e = 0; e < p; ++e) {
+        const float* src = qp + (static_cast<int64_t>(it.rows[r]) * h + un.head * p + e) * D;
+        float* dst = qs.data() + ((r - r0) * p + e) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+      }
+    attend_unit(qs.data(), M, D, K + un.head * S * D, V + un.head * S * D, it.blocks + it.blocks_start[un.item], bs,
+                un.n0, un.n1, part_o.data() + un.part * D, part_lse.data() + un.part);
+  }
+
+  // each row's items, in item order (the merge order)
+  std::vector<int64_t> row_count(num_rows + 1, 0);
+  for (int64_t i = 0; i < I; ++i)
+    for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; ++r) ++row_count[it.rows[r] + 1];
+  for (int64_t r = 0; r < num_rows; ++r) row_count[r + 1] += row_count[r];
+  std::vector<int64_t> fill(row_count.begin(), row_count.end() - 1), row_item(row_count[num_rows]), row_pos(row_count[num_rows]);
+  for (int64_t i = 0; i < I; ++i)
+    for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; ++r) {
+      const int64_t at = fill[it.rows[r]]++;
+      row_item[at] = i;
+      row_pos[at] = r - it.rows_start[i];
+    }
+  for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(row_count[r + 1] > row_count[r], "row ", r, " reads no item");
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, num_rows * h, 8, [&](int64_t a, int64_t z) {
+    std::vector<int64_t> idx;
+    std::vector<float> w;
+    for (int64_t rh = a; rh < z; ++rh) {
+      const int64_t r = rh / h, hh = rh % h, j = hh / p, e = hh % p;
+      idx.clear();
+      for (int64_t at = row_count[r]; at < row_count[r + 1]; ++at) {
+        const int64_t i = row_item[at];
+        const int64_t first = item_unit[i] + j * item_chunks[i];
+        for (int64_t c = 0; c < item_chunks[i]; ++c) idx.push_back(units[first + c].part + row_pos[at] * p + e);
+      }
+      float* dst = op + rh * D;
+      if (idx.size() == 1) {
+        std::copy(part_o.data() + idx[0] * D, part_o.data() + (idx[0] + 1) * D, dst);
+        continue;
+      }
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t k : idx) m = std::max(m, part_lse[k]);
+      w.assign(idx.size(), 0.f);
+      float den = 0.f;
+      for (size_t k = 0; k < idx.size(); ++k) den += (w[k] = std::exp(part_lse[idx[k]] - m));
+      std::fill(dst, dst + D, 0.f);
+      for (size_t k = 0; k < idx.size(); ++k) {
+        const float wk = w[k] / den;
+        const float* src = part_o.data() + idx[k] * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += wk * src[d];
+      }
+    }
+  });
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "rotary + K/V write (when cos is given) and decode attention over items of KV blocks -> o [rows, h*D]");
+}

@@ -1,0 +1,210 @@
+"""The C++ decode attention (kernels/cpu_attention.py) against a slow float64 reference, its
+rotary + K/V write bit for bit against the model's PyTorch operators, and the engine on it against
+the PyTorch attention path."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from forklm.kernels import block_gemm as bg
+from forklm.kernels import cpu_attention as ca
+from forklm.kernels.segment_attention import SegmentItem
+from forklm.models.llama import apply_rope
+
+pytestmark = pytest.mark.skipif(not bg.cpu_supports(), reason="the CPU attention kernel needs x86-64 with AVX2, FMA")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def random_items(rng: random.Random, num_rows: int, num_blocks: int, bs: int, shared_blocks: int,
+                 tail_max: int, adjacent: bool = False) -> list[SegmentItem]:
+    """A shared prompt of `shared_blocks` full blocks read by every row (if any), then each row's own
+    tail of 1..tail_max tokens; blocks shuffled (or in order: runs of adjacent blocks)."""
+    blocks = list(range(num_blocks))
+    if not adjacent:
+        rng.shuffle(blocks)
+    items, used = [], shared_blocks
+    if shared_blocks:
+        items.append(SegmentItem(list(range(num_rows)), blocks[:shared_blocks], shared_blocks * bs))
+    for r in range(num_rows):
+        n = rng.randint(1, tail_max)
+        nb = -(-n // bs)
+        items.append(SegmentItem([r], blocks[used : used + nb], n))
+        used += nb
+    return items
+
+
+@pytest.mark.parametrize(
+    "num_rows,g,p,D,bs,shared,tail,chunk,adjacent",
+    [
+        (1, 3, 3, 64, 16, 0, 300, 512, False),  # one sample, everything its own
+        (1, 3, 3, 64, 16, 16, 40, 512, True),  # adjacent blocks: pieces of 64 keys
+        (8, 3, 3, 64, 16, 16, 40, 512, False),  # samples sharing a prompt
+        (64, 3, 3, 64, 16, 8, 20, 32, False),  # many samples, keys split into chunks
+        (5, 2, 4, 16, 8, 5, 30, 16, False),  # head dim 16, 4 query heads per KV head
+        (3, 1, 7, 128, 4, 9, 13, 8, True),  # MQA, head dim 128, tiny blocks
+        (6, 4, 1, 32, 16, 3, 70, 48, False),  # MHA (one query head per KV head)
+    ],
+)
+def test_kernel_matches_reference(num_rows, g, p, D, bs, shared, tail, chunk, adjacent):
+    rng = random.Random(num_rows * 1000 + D)
+    torch.manual_seed(num_rows + D)
+    num_blocks = shared + num_rows * (-(-tail // bs)) + 3
+    k_cache, v_cache = torch.randn(g, num_blocks * bs, D), torch.randn(g, num_blocks * bs, D)
+    items = random_items(rng, num_rows, num_blocks, bs, shared, tail, adjacent)
+    q = torch.randn(num_rows, g * p, D) * 2
+    plan = ca.plan_items(items, num_rows, bs)
+    out = ca.paged_attention(q, k_cache, v_cache, plan, g * p, chunk_tokens=chunk)
+    ref = ca.paged_attention_reference(q, k_cache, v_cache, items, bs)
+    assert out.shape == (num_rows, g * p * D)
+    assert rel_err(out, ref) < 2e-6
+
+
+def test_every_row_is_exact_on_its_own():
+    """Row by row (not only in norm): sharp and flat score distributions, a row with one key."""
+    rng = random.Random(5)
+    g, p, D, bs = 3, 3, 64, 16
+    k_cache, v_cache = torch.randn(g, 40 * bs, D), torch.randn(g, 40 * bs, D)
+    items = random_items(rng, 4, 40, bs, 6, 33) + [SegmentItem([4], [39], 1)]
+    q = torch.randn(5, g * p, D)
+    q[0] *= 20  # nearly one-hot attention
+    q[1] *= 1e-3  # nearly uniform
+    out = ca.paged_attention(q, k_cache, v_cache, ca.plan_items(items, 5, bs), g * p)
+    ref = ca.paged_attention_reference(q, k_cache, v_cache, items, bs)
+    for r in range(5):
+        assert rel_err(out[r], ref[r]) < 2e-6, r
+    torch.testing.assert_close(out[4].view(g * p, D), v_cache[:, 39 * bs].repeat_interleave(p, 0))
+
+
+def test_rope_and_cache_write_are_the_models_bit_for_bit():
+    """With rotary tables the call rotates q and k exactly as `apply_rope` does, writes k and v to
+    their slots (nothing else in the cache changes), then attends over the written cache."""
+    torch.manual_seed(2)
+    rng = random.Random(2)
+    g, h, D, bs, nb, T = 3, 9, 64, 16, 50, 6
+    k_cache, v_cache = torch.randn(g, nb * bs, D), torch.randn(g, nb * bs, D)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(T, (h + 2 * g) * D)
+    pos = torch.randint(0, 4000, (T,))
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat([pos.float()[:, None] * inv] * 2, -1)
+    cos, sin = emb.cos()[:, None], emb.sin()
+    sin_signed = torch.cat([-sin[:, : D // 2], sin[:, D // 2 :]], -1)[:, None]
+    slots = torch.tensor(rng.sample(range(nb * bs), T))
+    items = [SegmentItem([r], [int(s) // bs], int(s) % bs + 1) for r, s in enumerate(slots)]
+    out = ca.paged_attention(qkv, k_cache, v_cache, ca.plan_items(items, T, bs), h, rope=(cos, sin_signed, slots))
+    qk = apply_rope(qkv[:, : (h + g) * D].view(T, h + g, D), cos, sin_signed)
+    k_ref.index_copy_(1, slots, qk[:, h:].transpose(0, 1))
+    v_ref.index_copy_(1, slots, qkv[:, (h + g) * D :].view(T, g, D).transpose(0, 1))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    ref = ca.paged_attention_reference(qk[:, :h].contiguous(), k_ref, v_ref, items, bs)
+    assert rel_err(out, ref) < 2e-6
+
+
+def test_non_finite_keys_stay_in_their_rows():
+    """A NaN key poisons the rows that read it, like a dense softmax; the other rows stay exact."""
+    g, p, D, bs = 2, 2, 32, 8
+    k_cache, v_cache = torch.randn(g, 10 * bs, D), torch.randn(g, 10 * bs, D)
+    k_cache[0, 3 * bs + 2, 5] = float("nan")
+    items = [SegmentItem([0], [3], 5), SegmentItem([1], [4, 5], 12)]
+    q = torch.randn(2, g * p, D)
+    out = ca.paged_attention(q, k_cache, v_cache, ca.plan_items(items, 2, bs), g * p).view(2, g * p, D)
+    assert torch.isnan(out[0, :p]).all()  # KV head 0's query heads
+    assert torch.isfinite(out[0, p:]).all() and torch.isfinite(out[1]).all()
+
+
+def test_bad_plans_are_refused_with_a_message():
+    g, h, D, bs = 2, 4, 16, 8
+    k_cache, v_cache = torch.randn(g, 4 * bs, D), torch.randn(g, 4 * bs, D)
+    q = torch.randn(1, h, D)
+
+    def run(items, rows=1, **kw):
+        return ca.paged_attention(q[:rows], k_cache, v_cache, ca.plan_items(items, rows, bs), h, **kw)
+
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        run([SegmentItem([0], [4], 3)])
+    with pytest.raises(RuntimeError, match="at most as many tokens"):
+        run([SegmentItem([0], [1], 9)])
+    with pytest.raises(RuntimeError, match="row out of range"):
+        run([SegmentItem([1], [1], 3)])
+    with pytest.raises(RuntimeError, match="reads no item"):
+        ca.paged_attention(torch.randn(2, h, D), k_cache, v_cache, ca.plan_items([SegmentItem([0], [1], 3)], 2, bs), h)
+    with pytest.raises(RuntimeError, match="float32"):
+        ca.paged_attention(q.double(), k_cache, v_cache, ca.plan_items([SegmentItem([0], [1], 3)], 1, bs), h)
+    with pytest.raises(RuntimeError, match="multiple"):  # 3 query heads over 2 KV heads
+        ca.paged_attention(torch.randn(1, 3, D), k_cache, v_cache, ca.plan_items([SegmentItem([0], [1], 3)], 1, bs), 3)
+    qkv = torch.randn(1, (h + 2 * g) * D)
+    cs = torch.randn(1, 1, D)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ca.paged_attention(qkv, k_cache, v_cache, ca.plan_items([SegmentItem([0], [1], 3)], 1, bs), h,
+                           rope=(cs, cs, torch.tensor([4 * bs])))
+
+
+def tiny_f32_model(seed: int = 7):
+    from conftest import tiny_llama
+
+    return tiny_llama(29, 64, 4, 2, 16, 96, 2, torch.float32, seed=seed, max_positions=1024)
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_engine_on_cpu_kernel_equals_torch_path(speculative):
+    """Shared prompts, samples, chunked prefill beside decode rows (the kernel without rotary then),
+    multi-token extends (speculation): the same samples as PyTorch's attention path."""
+    from forklm.engine.engine import Engine, EngineConfig
+    from forklm.sampling.params import SamplingParams
+
+    model = tiny_f32_model()
+    rng = random.Random(3)
+    system = [rng.randrange(29) for _ in range(37)]
+    prompts = [system + [rng.randrange(29) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+    prompts.append([rng.randrange(29) for _ in range(90)])  # a long prompt: prefilled in chunks beside decodes
+    outs = {}
+    for kernel in ("torch", "cpu"):
+        engine = Engine(model, lambda ids: " ".join(map(str, ids)), (), EngineConfig(
+            num_blocks=96, decode_kernel=kernel, block_size=8, max_batch_tokens=24, speculative=speculative))
+        assert engine.decode_kernel == kernel
+        states = [engine.add_request(p, SamplingParams(n=4, max_tokens=14, temperature=1.0, seed=i))
+                  for i, p in enumerate(prompts)]
+        engine.run()
+        engine.check_integrity()
+        outs[kernel] = [st.output for st in states]
+    for a, b in zip(outs["torch"], outs["cpu"]):
+        for sa, sb in zip(a.samples, b.samples):
+            assert sa.token_ids == sb.token_ids
+            assert sa.logprobs == pytest.approx(sb.logprobs, abs=1e-4)
+
+
+def test_auto_picks_the_cpu_kernel_for_float32_only():
+    from forklm.engine.engine import Engine, EngineConfig
+    from forklm.errors import InvalidArgumentError
+
+    model = tiny_f32_model()
+    assert Engine(model, None, (), EngineConfig(num_blocks=8)).decode_kernel == "cpu"
+    from conftest import tiny_llama
+
+    bf16 = tiny_llama(29, 64, 4, 2, 16, 96, 1, torch.bfloat16, seed=1)
+    assert Engine(bf16, None, (), EngineConfig(num_blocks=8)).decode_kernel == "torch"
+    with pytest.raises(InvalidArgumentError, match="decode_kernel='cpu'"):
+        Engine(bf16, None, (), EngineConfig(num_blocks=8, decode_kernel="cpu"))
+
+
+def test_default_model_decodes_the_same_on_both_paths(smollm2_f32):
+    """The default model in float32 (dense weights: on the block kernel, whose int8 activations turn
+    float32 rounding differences into whole quantization steps, the paths differ by more): samples
+    equal on the C++ attention and on PyTorch's, their log-probabilities within float32 rounding."""
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    got = {}
+    for kernel in ("cpu", "torch"):
+        outs = smollm2_f32.generate([{"prompt": prompt, "n": 3, "max_tokens": 24, "temperature": 0.8, "seed": 11}],
+                                    decode_kernel=kernel)
+        got[kernel] = outs[0]
+    for a, b in zip(got["cpu"].samples, got["torch"].samples):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+    assert math.isfinite(sum(got["cpu"].samples[0].logprobs))
