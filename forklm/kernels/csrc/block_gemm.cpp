@@ -216,7 +216,38 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+  if constexpr (Q41) {
+    // Two blocks at a time: one 32-byte load holds blocks b and b+1's values (16 bytes each); its low
+    // nibbles are values 0-15 of both, its high nibbles values 16-31, so the activations are paired
+    // the same way (low halves of blocks b and b+1, then high halves), the two products summed in
+    // int16 (each lane ≤ 2·15·127·2 < 2¹⁵) and widened once: int32 lanes 0-3 are block b's sums,
+    // 4-7 block b+1's, scaled by [s_b ×4, s_b+1 ×4].
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (; b + 2 <= nb; b += 2) {
+      __m256i wlo[TO], whi[TO];
+      for (int i = 0; i < TO; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + b * 16));
+        wlo[i] = _mm256_and_si256(v, low4);
+        whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      for (int j = 0; j < TN; ++j) {
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
+        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (b + 1) * QK));
+        const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
+        for (int i = 0; i < TO; ++i) {
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wlo[i], xlo), _mm256_maddubs_epi16(whi[i], xhi));
+          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+          const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + (i * TN + j) * nb + b)));
+          const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx);
+          acc[i][j] = _mm256_fmadd_ps(scale, p, acc[i][j]);
+        }
+      }
+    }
+  }
+  for (; b < nb; ++b) {
     __m256i wv[TO];
     for (int i = 0; i < TO; ++i) wv[i] = load_weights<Q41>(w, o + i, b);
     for (int j = 0; j < TN; ++j) {
@@ -286,7 +317,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   at::parallel_for(0, n, 16, [&](int64_t a, int64_t z) {
-    std::vector<float> scratch(4 * 6 * nb);
+    std::vector<float> scratch(4 * 6 * nb);  // tile's scratch: TO·(TN + 2)·nb floats at most
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       int64_t t = 0;
