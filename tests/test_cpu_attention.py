@@ -66,6 +66,21 @@ def test_kernel_matches_reference(num_rows, g, p, D, bs, shared, tail, chunk, ad
     assert rel_err(out, ref) < 2e-6
 
 
+@pytest.mark.parametrize("num_rows,shared,tail", [(1, 0, 300), (8, 16, 40), (64, 4, 20)])
+def test_float16_cache_matches_reference(num_rows, shared, tail):
+    """A float16 cache read in float32 arithmetic: the reference reads the same float16 values."""
+    rng = random.Random(num_rows)
+    g, p, D, bs = 3, 3, 64, 16
+    num_blocks = shared + num_rows * (-(-tail // bs)) + 3
+    k_cache = torch.randn(g, num_blocks * bs, D).half()
+    v_cache = torch.randn(g, num_blocks * bs, D).half()
+    items = random_items(rng, num_rows, num_blocks, bs, shared, tail)
+    q = torch.randn(num_rows, g * p, D) * 2
+    out = ca.paged_attention(q, k_cache, v_cache, ca.plan_items(items, num_rows, bs), g * p, chunk_tokens=32)
+    ref = ca.paged_attention_reference(q, k_cache, v_cache, items, bs)
+    assert rel_err(out, ref) < 2e-6
+
+
 def test_every_row_is_exact_on_its_own():
     """Row by row (not only in norm): sharp and flat score distributions, a row with one key."""
     rng = random.Random(5)
@@ -105,6 +120,12 @@ def test_rope_and_cache_write_are_the_models_bit_for_bit():
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     ref = ca.paged_attention_reference(qk[:, :h].contiguous(), k_ref, v_ref, items, bs)
     assert rel_err(out, ref) < 2e-6
+    # a float16 cache gets the same values rounded to nearest even, as torch's .to(float16)
+    k16, v16 = k_cache.half(), v_cache.half()
+    out16 = ca.paged_attention(qkv, k16, v16, ca.plan_items(items, T, bs), h, rope=(cos, sin_signed, slots))
+    assert torch.equal(k16[:, slots], qk[:, h:].transpose(0, 1).half())
+    assert torch.equal(v16[:, slots], qkv[:, (h + g) * D :].view(T, g, D).transpose(0, 1).half())
+    assert rel_err(out16, ca.paged_attention_reference(qk[:, :h].contiguous(), k16, v16, items, bs)) < 2e-6
 
 
 def test_non_finite_keys_stay_in_their_rows():
@@ -192,6 +213,44 @@ def test_auto_picks_the_cpu_kernel_for_float32_only():
     assert Engine(bf16, None, (), EngineConfig(num_blocks=8)).decode_kernel == "torch"
     with pytest.raises(InvalidArgumentError, match="decode_kernel='cpu'"):
         Engine(bf16, None, (), EngineConfig(num_blocks=8, decode_kernel="cpu"))
+
+
+def test_kv_dtype_rule_and_checks(smollm2_gguf):
+    """kv_dtype="auto": float16 for quantized weights on the C++ kernel, the model's dtype otherwise;
+    float16 elsewhere is refused by name."""
+    from forklm.engine.engine import Engine, EngineConfig
+    from forklm.errors import InvalidArgumentError
+
+    tiny = tiny_f32_model()
+    assert Engine(tiny, None, (), EngineConfig(num_blocks=8)).kv.dtype == torch.float32
+    assert Engine(tiny, None, (), EngineConfig(num_blocks=8, kv_dtype="float16")).kv.dtype == torch.float16
+    with pytest.raises(InvalidArgumentError, match="kv_dtype='float16'"):
+        Engine(tiny, None, (), EngineConfig(num_blocks=8, kv_dtype="float16", decode_kernel="torch"))
+    with pytest.raises(InvalidArgumentError, match="kv_dtype"):
+        EngineConfig(kv_dtype="int8")
+    from forklm import LLM
+
+    llm = LLM("smollm2-135m", dtype="float32")  # GGUF blocks kept: quantized
+    assert llm.model.quantize == "gguf"
+    assert Engine(llm.model, None, (), EngineConfig(num_blocks=8)).kv.dtype == torch.float16
+    assert Engine(llm.model, None, (), EngineConfig(num_blocks=8, kv_dtype="model")).kv.dtype == torch.float32
+
+
+def test_float16_cache_decodes_like_float32(smollm2_f32):
+    """The default model (dense float32) with a float16 cache: greedy tokens equal to the float32
+    cache's, log-probabilities within float16 rounding of K and V; prefill chunks (the PyTorch path
+    over the float16 cache) beside decode rows included."""
+    prompt = "def fibonacci(n):\n    " * 6
+    got = {}
+    for kv_dtype in ("model", "float16"):
+        outs = smollm2_f32.generate([{"prompt": prompt, "n": 2, "max_tokens": 24, "temperature": 0.0},
+                                     {"prompt": "Explain what a hash map is.", "n": 1, "max_tokens": 24, "temperature": 0.0}],
+                                    kv_dtype=kv_dtype, max_batch_tokens=32)
+        got[kv_dtype] = outs
+    for a, b in zip(got["model"], got["float16"]):
+        for sa, sb in zip(a.samples, b.samples):
+            assert sa.token_ids == sb.token_ids
+            assert sa.logprobs == pytest.approx(sb.logprobs, abs=3e-2)
 
 
 def test_default_model_decodes_the_same_on_both_paths(smollm2_f32):

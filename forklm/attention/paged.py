@@ -601,6 +601,9 @@ class PagedAttention:
         T, h, D = q.shape
         g = k.shape[1]
         p = h // g
+        K, V = self.kv.k[layer], self.kv.v[layer]
+        if K.dtype != q.dtype:  # a float16 cache: the chunk sees its own K/V as the cache holds them
+            k, v = k.to(K.dtype).to(q.dtype), v.to(K.dtype).to(q.dtype)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, T, D]
         kh = k.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
         vh = v.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
@@ -610,9 +613,9 @@ class PagedAttention:
         o = o.float()  # merged in float32, rounded once at the end
         # All T·p query rows of a KV head against the earlier tokens, read in place run by run.
         q_rows = q.view(T, g, p, D).permute(1, 0, 2, 3).reshape(1, g, T * p, D)
-        K, V = self.kv.k[layer], self.kv.v[layer]
         for first, n in prefix:
-            ks, vs = K[:, first : first + n].unsqueeze(0), V[:, first : first + n].unsqueeze(0)
+            # views of the cache (float16 cache: a float copy of the run, prefill only)
+            ks, vs = K[:, first : first + n].unsqueeze(0).to(q.dtype), V[:, first : first + n].unsqueeze(0).to(q.dtype)
             o_p, lse_p = attend_segment(q_rows, ks, vs, scale)
             o_p = o_p.view(g, T, p, D).permute(0, 2, 1, 3).reshape(1, h, T, D)
             lse_p = lse_p.view(g, T, p).permute(0, 2, 1).reshape(1, h, T)

@@ -74,9 +74,9 @@ class PagedKVCache:
         self.v = [_zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores new keys/values: slots [T] int64, k/v [T, g, D]."""
-        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
+        """Stores new keys/values: slots [T] int64, k/v [T, g, D] (rounded to the cache's dtype)."""
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copies the KV of slots `src` to slots `dst` in every layer (copy-on-write of a partial block)."""

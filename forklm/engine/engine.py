@@ -54,6 +54,7 @@ from forklm.speculative.speculator import Speculator
 SCHEDULES = ("cache-aware", "fcfs")
 SHARED_ATTENTION = ("auto", "bifurcated", "standard")
 DECODE_KERNELS = ("auto", "torch", "triton", "cpu")
+KV_DTYPES = ("auto", "model", "float16")
 
 
 @dataclass
@@ -72,6 +73,10 @@ class EngineConfig:
     # decode attention: "torch" (a PyTorch product per segment), "triton" (one fused kernel) or "cpu" (one
     # C++ call per layer: float32 models on AVX2 CPUs); "auto": "cpu" where it runs, else "torch"
     decode_kernel: str = "auto"
+    # the KV cache's dtype: "model" (the model's), "float16" (half the bytes to read a step: float32
+    # models on the "cpu" decode kernel only) or "auto": float16 where that kernel runs a model with
+    # quantized weights (already an approximation; as llama.cpp's default cache), else the model's
+    kv_dtype: str = "auto"
     max_num_seqs: int = 256  # running sequences (decode rows) at most; more samples wait for a slot
     lane_ahead_tokens: int = 256  # a sample's own blocks are reserved this far ahead, as one run, while blocks are plentiful
     # speculative sampling (README "Speculative sampling"): None (off), a method name ("ngram"), a
@@ -91,6 +96,8 @@ class EngineConfig:
             raise InvalidArgumentError(f"shared_attention must be one of {SHARED_ATTENTION}, got {self.shared_attention!r}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise InvalidArgumentError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidArgumentError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise InvalidArgumentError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.lane_ahead_tokens, int) or self.lane_ahead_tokens < 0:
@@ -140,7 +147,9 @@ class Engine:
             tokenizer = getattr(decode, "__self__", None)
             draft_model, draft_tokenizer = load_draft_model(spec.draft_model, model.dtype, model.device)
             check_same_vocabulary(model, tokenizer if has_tokenizer else None, draft_model, draft_tokenizer)
-        per_block = kv_bytes_per_block(model.config, model.dtype, cfg.block_size)
+        self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model)
+        self.kv_dtype = _resolve_kv_dtype(cfg.kv_dtype, model, self.decode_kernel)
+        per_block = kv_bytes_per_block(model.config, self.kv_dtype, cfg.block_size)
         if draft_model is not None:  # every block has a twin in the draft's KV
             per_block += kv_bytes_per_block(draft_model.config, draft_model.dtype, cfg.block_size)
         num_blocks = cfg.num_blocks
@@ -154,8 +163,7 @@ class Engine:
         self.limits = EngineLimits(
             model.config.vocab_size, model.config.max_position_embeddings, has_tokenizer, num_blocks, cfg.block_size
         )
-        self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model)
-        self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, model.dtype, model.device)
+        self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, self.kv_dtype, model.device)
         self.kv_manager = KVManager(self.kv, num_blocks, cfg.block_size, cfg.prefix_cache, cfg.lane_ahead_tokens)
         self.pool, self.radix = self.kv_manager.pool, self.kv_manager.radix
         self.metrics = EngineMetrics()
@@ -438,6 +446,15 @@ def _cpu_kernel_runs(model) -> bool:
     from forklm.kernels import cpu_attention
 
     return model.device.type == "cpu" and cpu_attention.supports(model.dtype, model.config.head_dim)
+
+
+def _resolve_kv_dtype(choice: str, model, decode_kernel: str) -> torch.dtype:
+    """A fixed rule (see EngineConfig.kv_dtype): never a timing probe."""
+    if choice == "model" or (choice == "auto" and (decode_kernel != "cpu" or model.quantize is None)):
+        return model.dtype
+    if decode_kernel != "cpu":
+        raise InvalidArgumentError(f"kv_dtype='float16' needs the 'cpu' decode kernel (this engine runs {decode_kernel!r})")
+    return torch.float16
 
 
 def _resolve_decode_kernel(choice: str, model) -> str:

@@ -1,4 +1,5 @@
-// Decode attention over the paged KV cache on x86 CPUs with AVX2 (float32), as one call per layer:
+// Decode attention over the paged KV cache on x86 CPUs with AVX2 (float32 arithmetic over a float32
+// or float16 cache), as one call per layer:
 // rotary embedding of the new tokens' q and k, their K/V written into the cache, and every decode
 // row's attention over its KV segments, merged exactly by log-sum-exp.
 //
@@ -68,6 +69,21 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The cache holds float32 or float16 (`Fp16`: IEEE binary16 bits, converted with F16C); either way
+// the arithmetic is float32.
+struct Fp16 {
+  uint16_t bits;
+};
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Fp16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const Fp16* p) { return _cvtsh_ss(p->bits); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(Fp16* p, __m256 v) {  // rounded to nearest even, as torch's .to(float16)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 struct Items {
   const int32_t* rows_start;   // [I + 1] CSR offsets into rows
   const int32_t* rows;         // batch rows reading each item
@@ -104,8 +120,8 @@ inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t NP, 
 }
 
 // acc[m, :] += P[m, 0:n] · V[0:n, :] for MR rows; V rows `vs` apart, D a multiple of 16.
-template <int MR>
-inline void pv_tile(const float* p, int64_t NP, int64_t n, const float* v, int64_t D, float* acc) {
+template <int MR, typename T>
+inline void pv_tile(const float* p, int64_t NP, int64_t n, const T* v, int64_t D, float* acc) {
   for (int64_t d = 0; d < D; d += 16) {
     __m256 a0[MR], a1[MR];
     for (int i = 0; i < MR; ++i) {
@@ -113,7 +129,7 @@ inline void pv_tile(const float* p, int64_t NP, int64_t n, const float* v, int64
       a1[i] = _mm256_loadu_ps(acc + i * D + d + 8);
     }
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * D + d), v1 = _mm256_loadu_ps(v + j * D + d + 8);
+      const __m256 v0 = load8(v + j * D + d), v1 = load8(v + j * D + d + 8);
       for (int i = 0; i < MR; ++i) {
         const __m256 pb = _mm256_broadcast_ss(p + i * NP + j);
         a0[i] = _mm256_fmadd_ps(pb, v0, a0[i]);
@@ -130,20 +146,21 @@ inline void pv_tile(const float* p, int64_t NP, int64_t n, const float* v, int64
 // S[m, j] = Q[m] · K[j] for all M query rows against n keys (rows D apart), straight from the cache
 // (no transposed copy: for few query rows the copy would cost more than the products). Four keys at
 // a time per query row: four independent FMA chains, reduced into the four scores with two hadds.
-inline void scores_direct(const float* q, int64_t M, int64_t D, const float* kp, int64_t n, int64_t NP, float* s) {
+template <typename T>
+inline void scores_direct(const float* q, int64_t M, int64_t D, const T* kp, int64_t n, int64_t NP, float* s) {
   for (int64_t m = 0; m < M; ++m) {
     const float* qm = q + m * D;
     float* sm = s + m * NP;
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-      const float* k = kp + j * D;
+      const T* k = kp + j * D;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qm + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k + 3 * D + d), a3);
       }
       // hadd twice: lanes [a0 a1 a2 a3] of the low half plus those of the high half
       const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -151,7 +168,7 @@ inline void scores_direct(const float* q, int64_t M, int64_t D, const float* kp,
     }
     for (; j < n; ++j) {
       __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), _mm256_loadu_ps(kp + j * D + d), a);
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), load8(kp + j * D + d), a);
       sm[j] = hsum(a);
     }
   }
@@ -173,7 +190,8 @@ inline void by_rows(int64_t M, F4 f4, F3 f3, F2 f2, F1 f1) {
 
 // One unit: M = rows·p query vectors (scaled, [M, D]) over keys [n0, n1) of the item in KV head j.
 // Writes the normalized output [M, D] and the log-sum-exp [M].
-void attend_unit(const float* q, int64_t M, int64_t D, const float* K, const float* V, const int32_t* blocks,
+template <typename T>
+void attend_unit(const float* q, int64_t M, int64_t D, const T* K, const T* V, const int32_t* blocks,
                  int64_t bs, int64_t n0, int64_t n1, float* out, float* lse) {
   thread_local std::vector<float> kt, s, acc, mx, l;
   kt.resize(D * PIECE);
@@ -190,13 +208,13 @@ void attend_unit(const float* q, int64_t M, int64_t D, const float* K, const flo
       n += std::min(bs, n1 - t - n);
     n = std::min(n, PIECE);
     const int64_t NP = (n + 15) / 16 * 16;
-    const float* kp = K + slot0 * D;
+    const T* kp = K + slot0 * D;
     float* sp = s.data();
     if (M <= DIRECT_MAX_ROWS) {
       scores_direct(q, M, D, kp, n, NP, sp);
     } else {
       for (int64_t j = 0; j < NP; ++j)  // Kᵀ of the piece, zero columns past n
-        for (int64_t d = 0; d < D; ++d) kt[d * NP + j] = j < n ? kp[j * D + d] : 0.f;
+        for (int64_t d = 0; d < D; ++d) kt[d * NP + j] = j < n ? load1(kp + j * D + d) : 0.f;
       by_rows(M,
             [&](int64_t m) { scores_tile<4>(q + m * D, D, kt.data(), NP, sp + m * NP); },
             [&](int64_t m) { scores_tile<3>(q + m * D, D, kt.data(), NP, sp + m * NP); },
@@ -227,7 +245,7 @@ void attend_unit(const float* q, int64_t M, int64_t D, const float* K, const flo
           _mm256_storeu_ps(&acc[m * D + d], _mm256_mul_ps(ab, _mm256_loadu_ps(&acc[m * D + d])));
       }
     }
-    const float* vp = V + slot0 * D;
+    const T* vp = V + slot0 * D;
     by_rows(M,
             [&](int64_t m) { pv_tile<4>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
             [&](int64_t m) { pv_tile<3>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
@@ -247,19 +265,21 @@ inline void rope_row(const float* x, const float* c, const float* s, int64_t D, 
   for (int64_t i = 0; i < D; ++i) out[i] = x[i] * c[i] + x[(i + half) % D] * s[i];
 }
 
+inline void store_row(const float* x, int64_t D, float* out) { std::copy(x, x + D, out); }
+inline void store_row(const float* x, int64_t D, Fp16* out) {
+  for (int64_t d = 0; d < D; d += 8) store8(out + d, _mm256_loadu_ps(x + d));
+}
+
 // q_in: [T, (h + 2g)·D] (the q/k/v product's rows) when `cos` is given: rotary applied to q and k,
 // k and v written to the cache at write_slots, attention for rows [0, num_rows). Otherwise q_in is
 // [num_rows, h, D], already rotated, its K/V already in the cache. Returns o [num_rows, h·D].
-torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<torch::Tensor>& cos_in,
+template <typename KV>
+torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optional<torch::Tensor>& cos_in,
                               const std::optional<torch::Tensor>& sin_in, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const std::optional<torch::Tensor>& slots_in,
                               int64_t h, int64_t num_rows, const torch::Tensor& rows_start, const torch::Tensor& rows,
                               const torch::Tensor& blocks_start, const torch::Tensor& blocks,
                               const torch::Tensor& tokens, int64_t bs, double scale_in, int64_t chunk_tokens) {
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32 && k_cache.is_cpu() && v_cache.is_cpu(),
-              "K/V caches must be contiguous float32 CPU tensors [g, slots, D] of one shape");
   const int64_t g = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(h > 0 && g > 0 && h % g == 0, "num_heads (", h, ") must be a multiple of the cache's KV heads (", g, ")");
   TORCH_CHECK(D % 16 == 0 && D > 0, "head dim must be a multiple of 16, got ", D);
@@ -284,8 +304,8 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<tor
     for (int64_t b = b0; b < b1; ++b) TORCH_CHECK(it.blocks[b] >= 0 && it.blocks[b] < num_blocks, "block id out of range");
   }
   const float scale = static_cast<float>(scale_in);
-  float* K = k_cache.data_ptr<float>();
-  float* V = v_cache.data_ptr<float>();
+  KV* K = reinterpret_cast<KV*>(k_cache.data_ptr());
+  KV* V = reinterpret_cast<KV*>(v_cache.data_ptr());
 
   torch::Tensor q;  // [num_rows, h, D] rotated queries
   if (cos_in.has_value()) {
@@ -312,8 +332,9 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<tor
         if (t < num_rows)
           for (int64_t hh = 0; hh < h; ++hh) rope_row(x + hh * D, ct, st, D, qp + (t * h + hh) * D);
         for (int64_t j = 0; j < g; ++j) {
-          rope_row(x + (h + j) * D, ct, st, D, K + (j * S + sl[t]) * D);
-          std::copy(x + (h + g + j) * D, x + (h + g + j + 1) * D, V + (j * S + sl[t]) * D);
+          rope_row(x + (h + j) * D, ct, st, D, tmp.data());
+          store_row(tmp.data(), D, K + (j * S + sl[t]) * D);
+          store_row(x + (h + g + j) * D, D, V + (j * S + sl[t]) * D);
         }
       }
     });
@@ -406,6 +427,24 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<tor
     }
   });
   return o;
+}
+
+torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<torch::Tensor>& cos_in,
+                              const std::optional<torch::Tensor>& sin_in, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const std::optional<torch::Tensor>& slots_in,
+                              int64_t h, int64_t num_rows, const torch::Tensor& rows_start, const torch::Tensor& rows,
+                              const torch::Tensor& blocks_start, const torch::Tensor& blocks,
+                              const torch::Tensor& tokens, int64_t bs, double scale, int64_t chunk_tokens) {
+  const auto kind = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && (kind == torch::kFloat32 || kind == torch::kFloat16) &&
+                  v_cache.scalar_type() == kind && k_cache.is_cpu() && v_cache.is_cpu(),
+              "K/V caches must be contiguous float32 or float16 CPU tensors [g, slots, D] of one shape and dtype");
+  if (kind == torch::kFloat16)
+    return paged_attention_impl<Fp16>(q_in, cos_in, sin_in, k_cache, v_cache, slots_in, h, num_rows, rows_start, rows,
+                                      blocks_start, blocks, tokens, bs, scale, chunk_tokens);
+  return paged_attention_impl<float>(q_in, cos_in, sin_in, k_cache, v_cache, slots_in, h, num_rows, rows_start, rows,
+                                     blocks_start, blocks, tokens, bs, scale, chunk_tokens);
 }
 
 }  // namespace
