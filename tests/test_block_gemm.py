@@ -115,11 +115,15 @@ def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_
     m, ref = llm.model, smollm2_f32.model
     assert quant.block_kernel_available()
     assert m.layers[0]["qkv"].kind == "q4_1" and m.lm_head.kind == "q8_0"
-    assert m.embed is m.lm_head.dense
+    assert m.embed is m.lm_head.dense and m.embed.dtype == quant.block_dense_dtype()
     want = ref.layers[5]["gate_up"]
     want = want.t() if ref.weight_layout == "in_out" else want
-    assert torch.equal(m.layers[5]["gate_up"].dense, want)  # the file's values exactly
-    assert torch.equal(m.embed, ref.embed)
+    # the dense copies: the file's values exactly (rounded once where the copy is bfloat16)
+    assert torch.equal(m.layers[5]["gate_up"].dense, want.to(quant.block_dense_dtype()))
+    assert torch.equal(m.embed, ref.embed.to(m.embed.dtype))
+    ids = torch.randint(0, ref.embed.shape[0], (37,))
+    rows = m.embed[ids] if m._embed_rows is None else m._embed_rows(ids)  # what forward looks up
+    assert rows.dtype == torch.float32 and torch.equal(rows, ref.embed[ids])  # exact either way
     ids = torch.tensor(smollm2_f32.tokenizer.encode("The capital of France is Paris. The capital of Germany is"))
     ref_prefill, ref_steps = model_logits(ref, ids[:-4], ids[-4:])
     prefill, steps = model_logits(m, ids[:-4], ids[-4:])
@@ -188,9 +192,12 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     bound = (b.d / 2 + (b.m - lo).abs() + 1e-6).repeat_interleave(32, dim=1)
     assert ((deq - w).abs() <= bound).all()  # each value within half a step (and m's float16 rounding)
     lin = quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.float32)
-    assert isinstance(lin, BlockLinear) and lin.kind == "q4_1" and torch.equal(lin.dense, deq)
+    assert isinstance(lin, BlockLinear) and lin.kind == "q4_1" and torch.equal(lin.dense, deq.to(quant.block_dense_dtype()))
     x = torch.randn(5, 96)
     assert rel_err(lin(x), bg.gemm_reference(x, lin.blocks)) < 1e-5
+    many = torch.randn(lin.max_rows + 3, 96)  # above max_rows: the dense copy, float32 rows in and out
+    y = lin(many)
+    assert y.dtype == torch.float32 and rel_err(y, many @ deq.t()) < (1e-2 if lin.dense.dtype == torch.bfloat16 else 1e-6)
     # bfloat16 models keep PyTorch's int4 kernel
     assert quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.bfloat16).kind == "int4"
 
@@ -220,3 +227,43 @@ def test_step_breakdown_bench_counts_the_kernel_calls(smollm2_gguf):
     assert row["kernel_ms_per_step"] < row["step_ms"] and row["torch_ops_per_step"] > 0
     # decode steps run attention as one C++ call a layer (prefill: PyTorch's path)
     assert row["cpu_attention"] and row["cpu_attention_calls_per_step"] == pytest.approx(layers, rel=0.05)
+
+
+@pytest.mark.skipif(not bg.uses_vnni(), reason="this CPU has no AVX512-VNNI: the kernel runs its AVX2 build")
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_vnni_build_equals_the_avx2_build_bit_for_bit(kind):
+    """The AVX512-VNNI variant sums the same integers in fewer instructions: every product, plain
+    and fused, equals the AVX2 build's bit for bit (at every tile shape: rows 1-5 and 9)."""
+    avx2 = bg.load_cpu_extension("forklm_block_gemm", bg._SOURCE)
+    vnni = bg._extension()
+    assert avx2 is not vnni
+    w = random_blocks(kind, 197, 640, seed=11).to_block_weights()
+    for t in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(t, 640) * 3
+        res = torch.randn(t, 197)
+        args = (w.qs, w.d, w.m) if kind == "q4_1" else (w.qs, w.d)
+        fn = "gemm_q4_1" if kind == "q4_1" else "gemm_q8_0"
+        for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, torch.rand(640) + 0.5, res)):
+            a = getattr(avx2, fn)(x, *args, mode, nw, 1e-5, r)
+            b = getattr(vnni, fn)(x, *args, mode, nw, 1e-5, r)
+            assert torch.equal(a, b), (t, mode)
+        assert torch.equal(bg.gemm(x, w), getattr(avx2, fn)(x, *args, bg.PLAIN, None, 0.0, None))
+
+
+def test_auto_dtype_is_float32_where_the_weights_run_on_the_block_kernel(smollm2_gguf):
+    """dtype='auto' is a fixed rule of the CPU's features and the weights' format: the block kernel's
+    float32 activations for GGUF blocks / int4 (dense copies bfloat16 where the CPU has it natively);
+    otherwise forklm.device's rule (bfloat16 on native-bfloat16 CPUs)."""
+    from forklm import LLM
+    from forklm.device import resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert quant.float32_for_block_kernel("gguf", cpu, True) and quant.float32_for_block_kernel("int4", cpu, False)
+    assert not quant.float32_for_block_kernel("gguf", cpu, False)  # a GGUF file of float tensors
+    assert not quant.float32_for_block_kernel("int8", cpu, False) and not quant.float32_for_block_kernel(None, cpu, True)
+    llm = LLM("smollm2-135m", device="cpu")
+    assert llm.dtype == torch.float32 and llm.quantize == "gguf"
+    assert llm.model.layers[0]["qkv"].dense.dtype == quant.block_dense_dtype()
+    dense = LLM("smollm2-135m", device="cpu", quantize=None)  # no blocks: the device rule
+    assert dense.dtype == resolve_dtype("auto", cpu)
+    assert LLM("smollm2-135m", device="cpu", dtype="bfloat16").dtype == torch.bfloat16  # asked for: kept

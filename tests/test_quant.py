@@ -170,7 +170,8 @@ def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, to
     assert isinstance(model.layers[0]["qkv"], QuantizedLinear) and isinstance(model.lm_head, QuantizedLinear)
     on_block_kernel = how == "int4" and dtype == torch.float32 and quant.block_kernel_available()  # Q4_1 blocks
     kernel_dtype = torch.float32 if on_block_kernel else torch.bfloat16
-    assert model.layers[0]["qkv"].dense.dtype == dtype and model.layers[0]["qkv"].dtype == kernel_dtype
+    dense_dtype = quant.block_dense_dtype() if on_block_kernel else dtype  # bfloat16 where it is native
+    assert model.layers[0]["qkv"].dense.dtype == dense_dtype and model.layers[0]["qkv"].dtype == kernel_dtype
     prefill, steps = model_logits(model, prompt, decode)  # prompt rows: dense copies; steps: the kernels
     assert prefill.dtype == steps.dtype == torch.float32
     assert rel_err(prefill, ref[:34]) < tol

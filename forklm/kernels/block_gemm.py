@@ -1,6 +1,7 @@
 """GGUF Q4_1 / Q8_0 weight blocks times float32 activations on x86 CPUs with AVX2: integer dot
 products over activations quantized per row and block of 32 (csrc/block_gemm.cpp, built on first
-use with PyTorch's C++ extension loader and cached under ~/.cache/torch_extensions).
+use with PyTorch's C++ extension loader and cached under ~/.cache/torch_extensions; on CPUs with
+AVX512-VNNI a variant built with it, equal bit for bit: `uses_vnni`).
 
 Why our own kernel: PyTorch ships no Q4 x Q8 integer product for x86 (its int4 CPU kernel takes
 bfloat16 activations and is compute-bound on AVX2), torchao's PyPI wheel has CUDA kernels only, and
@@ -65,9 +66,10 @@ def _torch_uses_libgomp() -> bool:
     return (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
 
 
-def load_cpu_extension(name: str, source: Path):
+def load_cpu_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
     """Builds (once per machine, cached under ~/.cache/torch_extensions) and loads one of forklm's
-    AVX2 C++ sources as a Python module."""
+    AVX2 C++ sources as a Python module (`extra_cflags`: a variant's further instruction sets; a
+    variant needs its own `name`)."""
     from torch.utils.cpp_extension import load
 
     _remove_stale_lock(name)
@@ -76,7 +78,7 @@ def load_cpu_extension(name: str, source: Path):
         sources=[str(source)],
         # -fopenmp: at::parallel_for is inline OpenMP; the process already holds torch's libgomp.so.1,
         # which the extension's libgomp.so.1 dependency resolves to (one thread pool)
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", *extra_cflags],
         extra_ldflags=["-fopenmp"],
         verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1",
     )
@@ -95,8 +97,24 @@ def cpu_extension_error(load) -> str | None:
     return None
 
 
+# AVX512-VNNI (with AVX512-VL for its 256-bit form) sums 4 byte products into an int32 lane in one
+# instruction where AVX2 takes two (maddubs + madd): the same integers, so both builds' products are
+# equal bit for bit; the variant is picked by this fixed rule of the CPU's features.
+# FORKLM_BLOCK_KERNEL_VNNI=0 keeps the AVX2 build on such a CPU (to compare the two).
+VNNI_CPU_FLAGS = ("avx512_vnni", "avx512vl")
+_VNNI_CFLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256")
+
+
+def uses_vnni() -> bool:
+    """Whether the kernel is built with AVX512-VNNI on this CPU (a fixed rule of its features)."""
+    return (os.environ.get("FORKLM_BLOCK_KERNEL_VNNI", "1") != "0"
+            and all(f in cpu_flags() for f in VNNI_CPU_FLAGS))
+
+
 @lru_cache(maxsize=1)
 def _extension():
+    if uses_vnni():
+        return load_cpu_extension("forklm_block_gemm_vnni", _SOURCE, _VNNI_CFLAGS)
     return load_cpu_extension("forklm_block_gemm", _SOURCE)
 
 
@@ -143,6 +161,11 @@ class BlockWeights:
             q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
             return q, self.d.float(), self.m.float()
         return self.qs, self.d.float(), None
+
+    def rows(self, ids: torch.Tensor) -> "BlockWeights":
+        """The weight rows `ids` (int64 [R]) as blocks of their own."""
+        pick = lambda t: None if t is None else t.index_select(0, ids)  # noqa: E731
+        return BlockWeights(self.kind, pick(self.qs), pick(self.d), pick(self.m), int(ids.numel()), self.k)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block (`BlockQuantized.dequantize` of the unpacked values)."""

@@ -170,10 +170,13 @@ class LlamaModel:
 
         tied = not ("lm_head.weight" in weights and not c.tie_word_embeddings)
         tied_head = None
+        self._embed_rows = None  # ids -> float32 rows, where the table is not the dense `embed` itself
         if quantize is not None and tied:
             # the table is the quantized head's weights (dequantized; the dense copy when kernels run)
             tied_head = build_matrix([raw("model.embed_tokens.weight")], head_format(quantize), dtype, device)
             self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
+            if isinstance(tied_head, BlockLinear) and self.embed is not None and self.embed.dtype != dtype:
+                self._embed_rows = tied_head.dequantize_rows  # a bfloat16 dense copy: look up exact rows
         else:
             self.embed = take("model.embed_tokens.weight")  # [V, H]
         if self.embed.shape != (c.vocab_size, c.hidden_size):
@@ -305,7 +308,7 @@ class LlamaModel:
         c = self.config
         h, g, D = c.num_heads, c.num_kv_heads, c.head_dim
         T = input_ids.shape[0]
-        x = self.embed[input_ids]  # [T, H]
+        x = self.embed[input_ids] if self._embed_rows is None else self._embed_rows(input_ids)  # [T, H]
         cos, sin = self._rope(positions)
         eps = c.rms_norm_eps
         # a decode step on the CPU kernel: rotary, K/V write and attention in one call per layer

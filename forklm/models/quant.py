@@ -57,6 +57,27 @@ WIDE_OUT = 16384
 # "Quantized weights").
 BLOCK_KERNEL_MAX_ROWS = 32
 BLOCK_KERNEL_MAX_ROWS_WIDE = 64
+# On CPUs with native bfloat16 (AVX512-BF16 / AMX) the dense copy is bfloat16 (its products 2-3x a
+# float32 one's from T = 8): the kernel then pays off up to fewer rows (measured on a 2-core AVX-512
+# EPYC, README "Quantized weights").
+BLOCK_KERNEL_MAX_ROWS_BF16 = 8
+BLOCK_KERNEL_MAX_ROWS_BF16_WIDE = 16
+
+
+def block_dense_dtype() -> torch.dtype:
+    """The dtype of a `BlockLinear`'s dense copy (a fixed rule of the CPU's features): bfloat16 where
+    the CPU multiplies it natively, else float32 (emulated bfloat16 products are 5-10x slower)."""
+    from forklm.device import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def block_kernel_max_rows(out_features: int, dense_dtype: torch.dtype) -> int:
+    """Rows per step at or below which a `BlockLinear` runs the block kernel (a fixed rule, measured)."""
+    wide = out_features >= WIDE_OUT
+    if dense_dtype == torch.bfloat16:
+        return BLOCK_KERNEL_MAX_ROWS_BF16_WIDE if wide else BLOCK_KERNEL_MAX_ROWS_BF16
+    return BLOCK_KERNEL_MAX_ROWS_WIDE if wide else BLOCK_KERNEL_MAX_ROWS
 
 
 def kernel_max_rows(kind: str, out_features: int, dense_dtype: torch.dtype) -> int:
@@ -102,6 +123,17 @@ def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.dev
     if q == "gguf" and has_gguf_blocks is False:
         raise InvalidArgumentError("quantize='gguf' keeps a GGUF file's quantized blocks: give a .gguf model")
     return q
+
+
+def float32_for_block_kernel(quantize: str | None, device: torch.device, has_gguf_blocks: bool) -> bool:
+    """Whether `dtype="auto"` is float32 because the weights run on forklm's block kernel (a fixed
+    rule of the CPU's features and the weights' format): GGUF blocks kept ("gguf") or "int4" on an
+    x86 CPU where the kernel builds. Its activations are float32 whatever the dtype, and a bfloat16
+    model would run PyTorch's int4 kernel instead, measured 1.6-1.9x slower a decode step at n <= 8
+    on a 2-core AVX-512 + AVX512-BF16 EPYC (README "Quantized weights"); on CPUs with native
+    bfloat16 the dense copies for steps of many rows stay bfloat16 (`block_dense_dtype`)."""
+    runs_blocks = quantize == "int4" or (quantize == "gguf" and has_gguf_blocks)
+    return device.type == "cpu" and runs_blocks and block_kernel_available()
 
 
 def kernels_available() -> bool:
@@ -252,19 +284,21 @@ class QuantizedLinear:
 class BlockLinear(QuantizedLinear):
     """y = x @ wᵀ with w [out, in] kept as a GGUF file's Q4_1 / Q8_0 blocks, run by forklm's AVX2
     integer kernel (`forklm.kernels.block_gemm`: activations quantized per row and block of 32, as
-    llama.cpp does; each row's result depends on that row alone), and a dense float32 copy of the
-    same weights for steps of more than `max_rows` rows."""
+    llama.cpp does; each row's result depends on that row alone), and a dense copy of the same
+    weights (`block_dense_dtype()`: bfloat16 on CPUs that multiply it natively, else float32) for
+    steps of more than `max_rows` rows. The model's activations are float32 either way."""
 
-    def __init__(self, blocks, dense_dtype: torch.dtype, max_rows: int | None = None, keep_dense: bool = True):
+    def __init__(self, blocks, dense_dtype: torch.dtype | None = None, max_rows: int | None = None,
+                 keep_dense: bool = True):
         self.blocks = blocks  # forklm.kernels.block_gemm.BlockWeights
         self.kind = blocks.kind  # "q4_1" | "q8_0"
         self.out_features, self.in_features = blocks.n, blocks.k
-        self.dtype = torch.float32  # the kernel's activations
-        self.dense_dtype = dense_dtype
+        self.dtype = torch.float32  # the kernel's activations (and the model's)
+        self.dense_dtype = dense_dtype or block_dense_dtype()
         if max_rows is None:
-            max_rows = BLOCK_KERNEL_MAX_ROWS_WIDE if blocks.n >= WIDE_OUT else BLOCK_KERNEL_MAX_ROWS
+            max_rows = block_kernel_max_rows(blocks.n, self.dense_dtype)
         self.max_rows = max_rows
-        self.dense = self.dequantize().to(dense_dtype) if keep_dense else None
+        self.dense = self.dequantize().to(self.dense_dtype) if keep_dense else None
 
     def kernel(self, x: torch.Tensor, **fusions) -> torch.Tensor:
         """float32 x; fusions: a prologue / residual (`block_gemm.gemm`'s keywords)."""
@@ -274,13 +308,21 @@ class BlockLinear(QuantizedLinear):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_rows:
-            return F.linear(x, self.dense, bias)
-        y = self.kernel(x.float())
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+            if x.dtype == self.dense.dtype:
+                return F.linear(x, self.dense, bias)
+            y = F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)  # float32 rows on a bfloat16 copy
+        else:
+            y = self.kernel(x.float())
+            y = y if x.dtype == torch.float32 else y.to(x.dtype)
         return y if bias is None else y + bias
 
     def dequantize(self) -> torch.Tensor:
         return self.blocks.dequantize()
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: rows `ids` of the weights, exact (an embedding lookup in a table
+        whose dense copy is rounded to bfloat16)."""
+        return self.blocks.rows(ids).dequantize()
 
     def kernel_tensors(self) -> list[torch.Tensor]:
         return self.blocks.tensors()
@@ -400,7 +442,7 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
     """
     if isinstance(w, BlockQuantized):
         if how == "gguf" and _on_block_kernel(kw):
-            return BlockLinear(w.to_block_weights(), torch.float32, keep_dense=kw.get("keep_dense", True))
+            return BlockLinear(w.to_block_weights(), keep_dense=kw.get("keep_dense", True))
         if how == "gguf":
             if w.kind == "q4_1":
                 return int4_from_q4_1(w, dtype, **kw)
@@ -410,7 +452,7 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
         return int8_from_float(w, dtype, **kw)
     if how == "int4":
         if w.shape[1] % GROUP_SIZE == 0 and _on_block_kernel(kw):
-            return BlockLinear(q4_1_from_float(w).to_block_weights(), torch.float32, keep_dense=kw.get("keep_dense", True))
+            return BlockLinear(q4_1_from_float(w).to_block_weights(), keep_dense=kw.get("keep_dense", True))
         return int4_from_float(w, dtype, **kw)
     raise InvalidArgumentError(f"cannot quantize a float weight as {how!r}")
 

@@ -172,15 +172,26 @@ inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
   }
 }
 
+// Σ over each 4 consecutive bytes of u·s (u unsigned, s signed) added to the int32 lanes of acc: one
+// VNNI instruction where the CPU has AVX512-VNNI (built as the `_vnni` variant), else maddubs + madd.
+// Both give the same integers (no int16 pair sum here can saturate: |u| <= 128, |s| <= 127 and
+// u·s pairs stay below 2¹⁵), so the two builds' products are equal bit for bit.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
 // 8 int32 partial sums of w·x over one block of 32.
 template <bool Q41>
 inline __m256i block_dot(__m256i wv, __m256i xv) {
-  const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (Q41) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);  // q in 0..15 (unsigned) times int8
+    return dot_u8s8(_mm256_setzero_si256(), wv, xv);  // q in 0..15 (unsigned) times int8
   } else {
     // |w| as unsigned times x carrying w's sign (|w| <= 128, |x| <= 127: no int16 overflow)
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+    return dot_u8s8(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
   }
 }
 
@@ -224,7 +235,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
     // int16 (each lane ≤ 2·15·127·2 < 2¹⁵) and widened once: int32 lanes 0-3 are block b's sums,
     // 4-7 block b+1's, scaled by [s_b ×4, s_b+1 ×4].
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     for (; b + 2 <= nb; b += 2) {
       __m256i wlo[TO], whi[TO];
@@ -238,8 +249,13 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
         const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (b + 1) * QK));
         const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
         for (int i = 0; i < TO; ++i) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+          const __m256 p = _mm256_cvtepi32_ps(
+              _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wlo[i], xlo), whi[i], xhi));
+#else
           const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wlo[i], xlo), _mm256_maddubs_epi16(whi[i], xhi));
           const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+#endif
           const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + (i * TN + j) * nb + b)));
           const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx);
           acc[i][j] = _mm256_fmadd_ps(scale, p, acc[i][j]);
