@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -12,7 +13,11 @@ from forklm.device import available_memory_bytes, resolve_device, resolve_dtype
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
-from forklm.models.quant import BlockQuantized, float32_for_block_kernel, resolve_quantize
+from forklm.models.quant import (
+    BlockQuantized,
+    float32_for_block_kernel,
+    resolve_quantize,
+)
 from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
 from forklm.models.random_weights import random_config, random_weights
 from forklm.models.registry import DEFAULT_MODEL, load_model_files
@@ -50,7 +55,7 @@ class Request:
     time_budget_s: float | None = None  # seconds: then unfinished samples end with finish_reason "time"
 
     @classmethod
-    def from_any(cls, spec: Any, position: int = 0) -> "Request":
+    def from_any(cls, spec: Any, position: int = 0) -> Request:
         if isinstance(spec, cls):
             return spec
         if not isinstance(spec, dict):
@@ -149,7 +154,10 @@ class LLM:
         """Loads a draft model named by path (same device, dtype and quantize rule as this
         model) and refuses one whose tokenizer is not this model's; the config then holds the
         loaded model, so every engine of this LLM shares its weights."""
-        from forklm.speculative.draft_model import check_same_vocabulary, load_draft_model
+        from forklm.speculative.draft_model import (
+            check_same_vocabulary,
+            load_draft_model,
+        )
 
         loaded = self.__dict__.setdefault("_drafts", {})  # a per-call config loads its draft once
         if spec in loaded:

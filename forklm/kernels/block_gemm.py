@@ -162,9 +162,9 @@ class BlockWeights:
             return q, self.d.float(), self.m.float()
         return self.qs, self.d.float(), None
 
-    def rows(self, ids: torch.Tensor) -> "BlockWeights":
+    def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
-        pick = lambda t: None if t is None else t.index_select(0, ids)  # noqa: E731
+        pick = lambda t: None if t is None else t.index_select(0, ids)
         return BlockWeights(self.kind, pick(self.qs), pick(self.d), pick(self.m), int(ids.numel()), self.k)
 
     def dequantize(self) -> torch.Tensor:

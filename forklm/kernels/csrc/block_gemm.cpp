@@ -288,6 +288,17 @@ void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y
 
 constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while tiles of T pass over them
 
+// Outputs per tile of 4 activation rows: AVX2 has 16 vector registers (2 x 4 accumulators and the
+// unpacked weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles share each activation
+// load twice as widely. A row's operations are the same in any tile, so this changes no result.
+#ifndef FORKLM_ROW_TILE_OUTS
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define FORKLM_ROW_TILE_OUTS 4
+#else
+#define FORKLM_ROW_TILE_OUTS 2
+#endif
+#endif
+
 template <bool Q41>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
@@ -338,7 +349,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       int64_t t = 0;
       for (; t + 4 <= T; t += 4)
-        tile_rows<Q41, 2, 4>(w, c0, c1, Acts{qx + t * K, dx + t * nb, sx + t * nb, K, nb}, yp + t * n, n, scratch.data());
+        tile_rows<Q41, FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, Acts{qx + t * K, dx + t * nb, sx + t * nb, K, nb}, yp + t * n, n,
+                                                scratch.data());
       const Acts rest{qx + t * K, dx + t * nb, sx + t * nb, K, nb};
       switch (T - t) {
         case 3: tile_rows<Q41, 2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
