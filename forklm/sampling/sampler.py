@@ -103,7 +103,7 @@ def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     bucket where the running mass crosses top_p; tokens in higher buckets are in, lower ones out,
     and the few in that bucket (relative width 1/16) are sorted, equal ones by token id.
     """
-    r = probs.shape[0]
+    r, V = probs.shape
     dev = probs.device
     probs = probs.float().contiguous()
     bits = probs.view(torch.int32)
