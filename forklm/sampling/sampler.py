@@ -15,9 +15,10 @@ import torch
 
 GREEDY_BELOW = 1e-5  # temperatures below this draw greedily (dividing by them overflows float32)
 _NUCLEUS_PROBES = (64,)  # candidate widths tried (one topk) before the radix select
-# The radix select's one level over a float32's bit pattern: its high 13 bits (sign, exponent, 4
-# mantissa bits; probabilities <= 1.0 have at most 0x7F0 there); the crossing bucket is sorted.
-_RADIX_SHIFT, _RADIX_BINS = 19, 0x7F0 + 1
+# Radix select digits over a float32's bit pattern (shift, bins): the high 13 bits (sign,
+# exponent, 4 mantissa bits; probabilities <= 1.0 have at most 0x7F0 there), then 9, then the
+# last 10. Later levels' bins are powers of two (the digit is a mask of bins - 1).
+_RADIX_LEVELS = ((19, 0x7F0 + 1), (10, 512), (0, 1024))
 _BLOCK = 256  # inverse-CDF block width (two-level search keeps float32 sums accurate)
 
 
@@ -99,9 +100,12 @@ def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     Same set as sorting descending and keeping each token whose preceding mass is < top_p (up to
     float32 rounding of the sums, as with a float32 cumsum over the sorted row).
     Non-negative float32s order as their int32 bit patterns, so a radix select finds the
-    boundary: the mass per value of the top 13 bits (sign, exponent, 4 mantissa bits) picks the
-    bucket where the running mass crosses top_p; tokens in higher buckets are in, lower ones out,
-    and the few in that bucket (relative width 1/16) are sorted, equal ones by token id.
+    boundary: at each level, the mass per digit value of the tokens still undecided picks the
+    digit where the running mass crosses top_p; tokens with a larger digit are in, smaller are
+    out, equal ones go to the next level (only a few: after the first level, one bucket of
+    relative width 1/16 per row). Tokens left after the last level share one value; the first
+    ones by token id are kept until the mass reaches top_p (a sort breaks such ties in some
+    order too).
     """
     r, V = probs.shape
     dev = probs.device
@@ -110,27 +114,31 @@ def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     # Level 1 over the whole rows. Bucket masses are float32 sums (as the float32 cumsum over a
     # sorted row that transformers' top-p uses; float64 here cost 2x the time of the whole
     # select), running totals float64.
-    shift, bins = _RADIX_SHIFT, _RADIX_BINS
+    shift, bins = _RADIX_LEVELS[0]
     digit = (bits >> shift).long().clamp_(0, bins - 1)  # [r, V]; clamped: NaN rows (a broken model) must not crash
     mass = torch.zeros(r, bins, dtype=torch.float32, device=dev).scatter_add_(1, digit, probs).double()
     above = torch.zeros(r, dtype=torch.float64, device=dev)  # mass of tokens kept so far
     crossing, above = _crossing_digit(mass, above, top_p)
     keep = digit > crossing.unsqueeze(1)
-    # The few undecided tokens (one bucket of relative width 1/16 per row), as a flat list (row,
-    # column) by row and column: sorted within each row by probability, descending (ties: by
-    # token id, as a stable sort of the row), and kept while the mass before them, counted from
-    # what the higher buckets already hold, is below top_p (float64 sums, as the reference's).
+    # The rest on the few undecided tokens, as a flat list (row, column).
     row, col = torch.nonzero(digit == crossing.unsqueeze(1), as_tuple=True)
-    vals = probs[row, col].double()
-    order = torch.argsort(vals, descending=True, stable=True)
-    order = order[torch.argsort(row[order], stable=True)]
-    row, col, vals = row[order], col[order], vals[order]
-    ends = torch.cumsum(vals, 0)
+    vals, vbits = probs[row, col].double(), bits[row, col]
+    for shift, bins in _RADIX_LEVELS[1:]:
+        d = ((vbits >> shift) & (bins - 1)).long()
+        mass = torch.zeros(r * bins, dtype=torch.float64, device=dev).index_add_(0, row * bins + d, vals)
+        crossing, above = _crossing_digit(mass.view(r, bins), above, top_p)
+        c = crossing[row]
+        keep[row[d > c], col[d > c]] = True
+        still = d == c
+        row, col, vals, vbits = row[still], col[still], vals[still], vbits[still]
+    # Ties: every token left in a row has the same value tau; keep the first m by token id,
+    # m = how many steps of tau from the mass already kept it takes to reach top_p.
+    m = torch.where(vals > 0, torch.ceil((top_p - above[row]) / vals.clamp_min(1e-300)), 0.0)
     first = torch.ones_like(row, dtype=torch.bool)
-    first[1:] = row[1:] != row[:-1]
+    first[1:] = row[1:] != row[:-1]  # nonzero() lists each row's tokens together, by column
     start = torch.cummax(torch.where(first, torch.arange(row.numel(), device=dev), 0), 0).values
-    before = above[row] + (ends - vals) - (ends - vals)[start]  # mass kept before each token
-    sel = before < top_p
+    rank = torch.arange(row.numel(), device=dev) - start + 1  # 1-based within the row
+    sel = rank <= m
     keep[row[sel], col[sel]] = True
     return keep
 
