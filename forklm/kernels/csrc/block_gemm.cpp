@@ -172,15 +172,33 @@ inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
   }
 }
 
-// Σ over each 4 consecutive bytes of u·s (u unsigned, s signed) added to the int32 lanes of acc: one
-// VNNI instruction where the CPU has AVX512-VNNI (built as the `_vnni` variant), else maddubs + madd.
-// Both give the same integers (no int16 pair sum here can saturate: |u| <= 128, |s| <= 127 and
-// u·s pairs stay below 2¹⁵), so the two builds' products are equal bit for bit.
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+// The `_vnni` build (block_gemm.py: CPUs with AVX512-VNNI and AVX512-VL) sums byte products with
+// `vpdpbusd`; the AVX2 build with maddubs + madd. Both give the same integers (no int16 pair sum
+// here can saturate: |u| <= 128, |s| <= 127 and u·s pairs stay below 2¹⁵), so the two builds'
+// products are equal bit for bit.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define FORKLM_VNNI 1
+#else
+#define FORKLM_VNNI 0
+#endif
+
+// Σ over each 4 consecutive bytes of u·s (u unsigned, s signed) added to the int32 lanes of acc.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if FORKLM_VNNI
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Σ over each 4 consecutive bytes of u1·s1 + u2·s2, as int32 lanes. AVX2: the two products summed in
+// int16 (each lane ≤ 2·15·127·2 < 2¹⁵ for Q4_1's values) and widened once.
+inline __m256i dot2_u8s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+#if FORKLM_VNNI
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#else
+  const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -231,11 +249,9 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
   if constexpr (Q41) {
     // Two blocks at a time: one 32-byte load holds blocks b and b+1's values (16 bytes each); its low
     // nibbles are values 0-15 of both, its high nibbles values 16-31, so the activations are paired
-    // the same way (low halves of blocks b and b+1, then high halves), the two products summed in
-    // int16 (each lane ≤ 2·15·127·2 < 2¹⁵) and widened once: int32 lanes 0-3 are block b's sums,
-    // 4-7 block b+1's, scaled by [s_b ×4, s_b+1 ×4].
+    // the same way (low halves of blocks b and b+1, then high halves), both products summed by
+    // dot2_u8s8: int32 lanes 0-3 are block b's sums, 4-7 block b+1's, scaled by [s_b ×4, s_b+1 ×4].
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     for (; b + 2 <= nb; b += 2) {
       __m256i wlo[TO], whi[TO];
@@ -249,13 +265,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
         const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (b + 1) * QK));
         const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
         for (int i = 0; i < TO; ++i) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-          const __m256 p = _mm256_cvtepi32_ps(
-              _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wlo[i], xlo), whi[i], xhi));
-#else
-          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wlo[i], xlo), _mm256_maddubs_epi16(whi[i], xhi));
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-#endif
+          const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo[i], xlo, whi[i], xhi));
           const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + (i * TN + j) * nb + b)));
           const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx);
           acc[i][j] = _mm256_fmadd_ps(scale, p, acc[i][j]);
@@ -288,21 +298,19 @@ void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y
 
 constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while tiles of T pass over them
 
-// Outputs per tile of 4 activation rows: AVX2 has 16 vector registers (2 x 4 accumulators and the
+// Tile shapes (a row's operations are the same in any tile, so none changes a result; the
+// bench block_kernel_variants builds alternatives with -D):
+// outputs per tile of 4 activation rows: AVX2 has 16 vector registers (2 x 4 accumulators and the
 // unpacked weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles share each activation
-// load twice as widely. A row's operations are the same in any tile, so this changes no result.
-// Outputs per tile of a lone row (a decode step of one sample): one. Its products stream their
+// load twice as widely.
+#ifndef FORKLM_ROW_TILE_OUTS
+#define FORKLM_ROW_TILE_OUTS (FORKLM_VNNI ? 4 : 2)
+#endif
+// outputs per tile of a lone row (a decode step of one sample): one. Its products stream their
 // weights from memory, and 1 x 1 tiles measured 14-16% faster over a step's 121 products than the
-// 4 x 1 tiles before them (both builds, AVX-512 EPYC). Same results either way.
+// 4 x 1 tiles before them (both builds, AVX-512 EPYC).
 #ifndef FORKLM_ONE_ROW_TILE_OUTS
 #define FORKLM_ONE_ROW_TILE_OUTS 1
-#endif
-#ifndef FORKLM_ROW_TILE_OUTS
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define FORKLM_ROW_TILE_OUTS 4
-#else
-#define FORKLM_ROW_TILE_OUTS 2
-#endif
 #endif
 constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 // floats of scratch per block that `tile` needs (TO·(TN + 2)) for the largest tile `gemm` runs
