@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -73,12 +74,15 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = 
     from torch.utils.cpp_extension import load
 
     _remove_stale_lock(name)
+    # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
+    headers = zlib.crc32(b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))))
     return load(
         name=name,
         sources=[str(source)],
         # -fopenmp: at::parallel_for is inline OpenMP; the process already holds torch's libgomp.so.1,
         # which the extension's libgomp.so.1 dependency resolves to (one thread pool)
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", *extra_cflags],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
+                      f"-DFORKLM_HEADERS={headers:#x}", *extra_cflags],
         extra_ldflags=["-fopenmp"],
         verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1",
     )

@@ -1,12 +1,15 @@
 """Sampling math as small pure functions over a batch of rows that share their parameters.
 
 Order (as in Hugging Face's logits processors): temperature, then top-k, then top-p, then one
-inverse-CDF draw per row from a counter-based uniform (see seeds.py). A full sort of the
-vocabulary is slow on a CPU (~120 ms for 64 × 49k), so top-p first looks for the nucleus among
-the 64 largest probabilities (one `topk`) and, for a row whose nucleus is wider, selects it
-without sorting: a radix select over the float32 bit patterns (`nucleus_mask`), 8x faster than
-the sort on flat rows (64 x 49k flat rows: 17 ms per draw against 140). Each row settles
-on its own, so a row's draw does not depend on the rest of the batch.
+inverse-CDF draw per row from a counter-based uniform (see seeds.py). The rule is
+`sample_weights_reference` (ties in the order broken by token id; the draw walks the kept tokens
+in token-id order). On CPU tensors `sample_tokens` and `model_logprobs` run forklm's C++ sampler
+(kernels/cpu_sampler.py: a few passes over each row, 3-4x faster than the operators below); elsewhere
+`sample_tokens_torch` runs it in PyTorch operators: a full sort of the vocabulary is slow on a CPU
+(~120 ms for 64 × 49k), so top-p first looks for the nucleus among the 64 largest probabilities
+(one `topk`) and, for a row whose nucleus is wider, selects it without sorting: a radix select
+over the float32 bit patterns (`nucleus_mask`), 8x faster than the sort on flat rows. Each row
+settles on its own, so a row's draw does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -22,11 +25,23 @@ _RADIX_LEVELS = ((19, 0x7F0 + 1), (10, 512), (0, 1024))
 _BLOCK = 256  # inverse-CDF block width (two-level search keeps float32 sums accurate)
 
 
+def _cpu_sampler(logits: torch.Tensor):
+    """forklm's C++ sampler (kernels/cpu_sampler.py) when it runs these logits, else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    from forklm.kernels import cpu_sampler
+
+    return cpu_sampler if cpu_sampler.available() else None
+
+
 def model_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The model's own log-softmax of the chosen tokens (before temperature/top-k/top-p).
 
     logits [b, V] float32, tokens [b] -> [b] float32
     """
+    kernel = _cpu_sampler(logits)
+    if kernel is not None:
+        return kernel.token_logprobs(logits, tokens.to(torch.long))
     return logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -188,6 +203,15 @@ def draw_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return blk * _BLOCK + j
 
 
+def _draw_in_id_order(weights: torch.Tensor, ids: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw over candidates taken in token-id order (ids None: columns are tokens)."""
+    if ids is None:
+        return draw_inverse_cdf(weights, u)
+    ids, order = ids.sort(dim=-1)
+    j = draw_inverse_cdf(weights.gather(1, order), u)
+    return ids.gather(1, j.unsqueeze(1)).squeeze(1)
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [b, V] float32
     temperature: float,
@@ -195,6 +219,23 @@ def sample_tokens(
     top_p: float,
     u: torch.Tensor,  # [b] float64 uniforms in [0, 1)
 ) -> torch.Tensor:  # [b] int64 token ids
+    """One token per row by `sample_weights_reference`'s rule: on CPU tensors in one C++ call
+    (kernels/cpu_sampler.py) where it is built, else `sample_tokens_torch`."""
+    kernel = _cpu_sampler(logits) if temperature >= GREEDY_BELOW else None
+    if kernel is not None:
+        return kernel.sample_logits(logits, temperature, top_k, top_p, u.to(torch.float64))
+    return sample_tokens_torch(logits, temperature, top_k, top_p, u)
+
+
+def sample_tokens_torch(
+    logits: torch.Tensor,  # [b, V] float32
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    u: torch.Tensor,  # [b] float64 uniforms in [0, 1)
+) -> torch.Tensor:  # [b] int64 token ids
+    """The same rule in PyTorch operators (any device), up to float32 rounding at the nucleus
+    boundary (its masses are float32 sums, compared with top_p rather than top_p · Σ p)."""
     if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     u = u.to(logits.device)  # the uniforms are made on the host
@@ -202,9 +243,50 @@ def sample_tokens(
         probs = torch.softmax(logits / temperature, dim=-1)
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         for rows, weights, ids in nucleus_groups(probs, top_p):
-            j = draw_inverse_cdf(weights, u[rows])
-            out[rows] = j if ids is None else ids.gather(1, j.unsqueeze(1)).squeeze(1)
+            out[rows] = _draw_in_id_order(weights, ids, u[rows])
         return out
     weights, ids = filtered_candidates(logits, temperature, top_k, top_p)
-    j = draw_inverse_cdf(weights, u)
-    return j if ids is None else ids.gather(1, j.unsqueeze(1)).squeeze(1)
+    return _draw_in_id_order(weights, ids, u)
+
+
+def sample_weights_reference(
+    weights: torch.Tensor,  # [b, V] >= 0: probabilities, or any positive multiple of them
+    top_k: int,
+    top_p: float,
+    u: torch.Tensor,  # [b] float64 uniforms in [0, 1)
+) -> torch.Tensor:  # [b] int64 token ids
+    """The rule, the slow and obvious way (what the fast paths are held to). Per row, with float64
+    sums: order the tokens by (weight descending, token id ascending); the candidates are the
+    first top_k (0: all) with weight > 0; keep each candidate whose mass before it is below
+    top_p · (the candidates' mass); draw the first kept token, in token-id order, at which the
+    running mass exceeds u · (the kept mass). A row holding NaN or infinity, or no mass: token 0."""
+    out = []
+    for r in range(weights.shape[0]):
+        vals, ids = torch.sort(weights[r].double().cpu(), descending=True, stable=True)  # ties: lower id first
+        if not bool(torch.isfinite(vals).all()) or float(vals.sum()) <= 0:
+            out.append(0)
+            continue
+        ids, vals = ids[vals > 0], vals[vals > 0]
+        if top_k:
+            ids, vals = ids[:top_k], vals[:top_k]
+        if top_p < 1.0:
+            keep = torch.cumsum(vals, 0) - vals < top_p * vals.sum()
+            ids, vals = ids[keep], vals[keep]
+        ids, order = ids.sort()
+        cum = torch.cumsum(vals[order], 0)
+        j = int(torch.searchsorted(cum, float(u[r]) * float(cum[-1]), right=True))
+        out.append(int(ids[min(j, len(ids) - 1)]))
+    return torch.tensor(out, dtype=torch.long, device=weights.device)
+
+
+def sample_tokens_reference(
+    logits: torch.Tensor,  # [b, V] float32
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    u: torch.Tensor,  # [b] float64 uniforms in [0, 1)
+) -> torch.Tensor:  # [b] int64 token ids
+    """`sample_weights_reference` on softmax(logits / temperature) (the argmax below GREEDY_BELOW)."""
+    if temperature < GREEDY_BELOW:
+        return logits.argmax(dim=-1)
+    return sample_weights_reference(torch.softmax(logits.float() / temperature, dim=-1), top_k, top_p, u)

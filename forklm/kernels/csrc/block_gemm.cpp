@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd_math.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -29,14 +31,7 @@ constexpr int64_t QK = 32;
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
+using forklm::hsum;
 
 // One row block of 32 floats -> 32 int8, its scale and scale·Σq (the scalar rule the Python
 // reference repeats: amax / 127 in float32, its reciprocal, x·id rounded half to even). A block
