@@ -36,7 +36,7 @@ def smollm2_f32(smollm2_gguf):
 
 
 def tiny_llama(vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int,
-               dtype: torch.dtype, seed: int, max_positions: int = 4096):
+               dtype: torch.dtype, seed: int, max_positions: int = 4096, quantize: str | None = None):
     """A small random Llama whose next-token distribution is neither one-hot nor flat and depends
     strongly on the context (scales tuned for the engine fuzz test), so wrong KV shows in samples."""
     import math
@@ -69,7 +69,7 @@ def tiny_llama(vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int
     cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=H, intermediate_size=inter,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
                       max_position_embeddings=max_positions)
-    return LlamaModel(cfg, w, dtype, torch.device("cpu"))
+    return LlamaModel(cfg, w, dtype, torch.device("cpu"), quantize=quantize)
 
 
 def fail_forward_call(monkeypatch, model, call: int) -> None:

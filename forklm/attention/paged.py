@@ -492,6 +492,16 @@ class PagedAttention:
         h = qkv.shape[1] // K.shape[-1] - 2 * K.shape[0]
         return paged_attention(qkv, K, V, self.plan.kernel_plan, h, rope=(cos, sin_signed, self.plan.write_slots))
 
+    def run_layers(self, stack, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """Every layer of a `fuses_rope` step in one call (`stack`: kernels/decode_stack.py's C++
+        DecodeStack), with this step's caches and plan: x [T, H] float32 -> [T, H]."""
+        from forklm.kernels.cpu_attention import CHUNK_TOKENS
+
+        p = self.plan.kernel_plan
+        scale = 1.0 / math.sqrt(self.kv.k[0].shape[-1])
+        return stack.forward(x, self.kv.k, self.kv.v, cos, sin_signed, self.plan.write_slots, p.num_rows, p.rows_start,
+                             p.rows, p.blocks_start, p.blocks, p.tokens, p.block_size, scale, CHUNK_TOKENS)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         T, h, D = q.shape

@@ -1,7 +1,7 @@
 """Where a decode step's time goes on forklm's CPU kernels, and the step with one of them turned off.
 
     python -m forklm.bench.block_kernel_step [--points 256x1,256x8,256x64] [--rounds 2]
-        [--off block-kernel | cpu-attention | cpu-sampler] [--out bench/results/block_kernel_step_cpu_avx2.json]
+        [--off block-kernel | cpu-attention | cpu-sampler | decode-stack] [--out bench/results/block_kernel_step_cpu_avx2.json]
 
 Per point (m_c x n, random-token prompt, 33 new tokens per sample, temperature 0.8, top-p 0.95) and
 round: `LLM.sample` on the default model, median step time (wall / 32 decode steps); the block
@@ -10,7 +10,10 @@ torch.profiler pass giving the flash-attention kernels' time per step (PyTorch's
 the number of PyTorch operators per step; the sampler's time (`draw_rows`: draws, log-probs, the
 samples' bookkeeping); then the same sample in a child process with one kernel off:
 FORKLM_BLOCK_KERNEL=0 (PyTorch's int4 kernel on bfloat16 activations), FORKLM_CPU_ATTENTION=0
-(PyTorch's attention path) or FORKLM_CPU_SAMPLER=0 (PyTorch's sampler), rounds interleaved. Run it alone (`flock /tmp/forklm_bench.lock ...`):
+(PyTorch's attention path), FORKLM_CPU_SAMPLER=0 (PyTorch's sampler) or FORKLM_DECODE_STACK=0 (the
+layers one call at a time from Python), rounds interleaved. With the decode stack on, the block
+kernel and attention calls it makes are inside its time (the block kernel's own calls are then the
+LM head's and those of steps the stack does not run). Run it alone (`flock /tmp/forklm_bench.lock ...`):
 this VM's run-to-run spread is 10-20%.
 """
 
@@ -31,7 +34,7 @@ from forklm.bench.machine import machine_info
 
 NEW_TOKENS = 33
 OFF_SWITCHES = {"block-kernel": "FORKLM_BLOCK_KERNEL", "cpu-attention": "FORKLM_CPU_ATTENTION",
-                "cpu-sampler": "FORKLM_CPU_SAMPLER"}
+                "cpu-sampler": "FORKLM_CPU_SAMPLER", "decode-stack": "FORKLM_DECODE_STACK"}
 
 
 def _prompt(m_c: int) -> list[int]:
@@ -47,11 +50,12 @@ def _run(llm, m_c: int, n: int, seed: int) -> float:
 def measure(points: list[tuple[int, int]], profile: bool) -> list[dict]:
     """Step ms per point in this process (the kernel on or off as the environment says)."""
     from forklm import LLM
+    from forklm.attention.paged import PagedAttention
     from forklm.engine import output_processor
-    from forklm.kernels import block_gemm, cpu_attention, cpu_sampler
+    from forklm.kernels import block_gemm, cpu_attention, cpu_sampler, decode_stack
 
     llm = LLM()
-    timed = {"gemm": [0.0, 0], "paged_attention": [0.0, 0], "draw_rows": [0.0, 0]}
+    timed = {"gemm": [0.0, 0], "paged_attention": [0.0, 0], "draw_rows": [0.0, 0], "run_layers": [0.0, 0]}
 
     def timer(module, name):
         fn = getattr(module, name)
@@ -69,6 +73,7 @@ def measure(points: list[tuple[int, int]], profile: bool) -> list[dict]:
     timer(block_gemm, "gemm")
     timer(cpu_attention, "paged_attention")
     timer(output_processor, "draw_rows")  # the sampler: draws, log-probs, the samples' bookkeeping
+    timer(PagedAttention, "run_layers")  # the decode stack: every layer's products and attention in one call
     steps = NEW_TOKENS - 1
     out = []
     for m_c, n in points:
@@ -78,6 +83,8 @@ def measure(points: list[tuple[int, int]], profile: bool) -> list[dict]:
         step = _run(llm, m_c, n, seed=2)
         row = {"m_c": m_c, "n": n, "block_kernel": block_gemm.available(), "cpu_attention": cpu_attention.available(),
                "cpu_sampler": cpu_sampler.available(), "sampler_ms_per_step": timed["draw_rows"][0] / steps * 1e3,
+               "decode_stack": decode_stack.available(), "decode_stack_ms_per_step": timed["run_layers"][0] / steps * 1e3,
+               "decode_stack_calls_per_step": timed["run_layers"][1] / steps,
                "step_ms": step, "kernel_ms_per_step": timed["gemm"][0] / steps * 1e3,
                "kernel_calls_per_step": timed["gemm"][1] / steps,
                "cpu_attention_ms_per_step": timed["paged_attention"][0] / steps * 1e3,
@@ -119,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         off = json.loads(child.stdout.strip().splitlines()[-1])
         rounds.append({"on": on, "off": off})
         for a, b in zip(on, off):
-            print(f"round {r}: {a['m_c']} x {a['n']}: step {a['step_ms']:.1f} ms (block kernel {a['kernel_ms_per_step']:.1f} ms "
+            print(f"round {r}: {a['m_c']} x {a['n']}: step {a['step_ms']:.1f} ms (decode stack {a['decode_stack_ms_per_step']:.1f} ms "
+                  f"in {a['decode_stack_calls_per_step']:.0f} calls, block kernel {a['kernel_ms_per_step']:.1f} ms "
                   f"in {a['kernel_calls_per_step']:.0f} calls, C++ attention {a['cpu_attention_ms_per_step']:.1f} ms in "
                   f"{a['cpu_attention_calls_per_step']:.0f} calls, sampler {a['sampler_ms_per_step']:.1f} ms, flash attention {a['flash_attention_ms_per_step']:.1f} ms, "
                   f"{a['torch_ops_per_step']:.0f} PyTorch operators {a['torch_ops_self_ms_per_step']:.1f} ms); "
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         "kernel_ms_per_step_median": statistics.median(x["kernel_ms_per_step"] for x in on),
                         "cpu_attention_ms_per_step_median": statistics.median(x["cpu_attention_ms_per_step"] for x in on),
                         "sampler_ms_per_step_median": statistics.median(x["sampler_ms_per_step"] for x in on),
+                        "decode_stack_ms_per_step_median": statistics.median(x["decode_stack_ms_per_step"] for x in on),
                         "sampler_ms_per_step_off_median": statistics.median(r["off"][i]["sampler_ms_per_step"] for r in rounds),
                         "flash_attention_ms_per_step_median": statistics.median(x["flash_attention_ms_per_step"] for x in on),
                         "torch_ops_per_step_median": statistics.median(x["torch_ops_per_step"] for x in on)})

@@ -74,8 +74,9 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = 
     from torch.utils.cpp_extension import load
 
     _remove_stale_lock(name)
-    # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
-    headers = zlib.crc32(b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h"))))
+    # torch rebuilds when a listed source or a flag changes, not when a file it includes does: the
+    # hash of every file beside it (headers, and the sources decode_stack.cpp includes) is a flag
+    headers = zlib.crc32(b"".join(f.read_bytes() for f in sorted(source.parent.glob("*.[ch]*")) if f != source))
     return load(
         name=name,
         sources=[str(source)],

@@ -217,6 +217,8 @@ class LlamaModel:
             self.lm_head = transposed(self.embed) if self.weight_layout == "in_out" else self.embed
             if isinstance(tied_head, QuantizedLinear):
                 self.lm_head = tied_head
+        self._decode_stack = None  # every layer in one C++ call (kernels/decode_stack.py), built on first use
+        self._decode_stack_checked = False
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
         self._rope_len = 0  # positions the cos/sin tables cover (see _rope)
         self._cos = self._sin_signed = torch.empty(0)
@@ -297,6 +299,16 @@ class LlamaModel:
         gate, up = gate_up.chunk(2, dim=-1)
         return residual + self._linear(F.silu(gate) * up, w, bias)
 
+    def _decode_stack_for(self, rows: int):
+        """The model's `DecodeStack` when a step of this many rows runs on it, else None."""
+        if not self._decode_stack_checked:
+            from forklm.kernels import decode_stack
+
+            self._decode_stack = decode_stack.build(self)
+            self._decode_stack_checked = True
+        stack = self._decode_stack
+        return stack if stack is not None and rows <= stack.max_rows else None
+
     @torch.inference_mode()
     def forward(
         self,
@@ -313,7 +325,10 @@ class LlamaModel:
         eps = c.rms_norm_eps
         # a decode step on the CPU kernel: rotary, K/V write and attention in one call per layer
         fused = getattr(attention, "fuses_rope", False) and x.dtype == torch.float32
-        for i, layer in enumerate(self.layers):
+        stack = self._decode_stack_for(T) if fused else None
+        if stack is not None:  # and the layers' products with it: the loop below in one C++ call
+            x = attention.run_layers(stack.kernel, x, cos, sin)
+        for i, layer in enumerate(self.layers if stack is None else ()):
             qkv = self._norm_linear(x, layer["attn_norm"], eps, layer["qkv"], layer["qkv_bias"])
             if fused:
                 a = attention.attend_qkv(i, qkv, cos, sin)  # [T, h·D]

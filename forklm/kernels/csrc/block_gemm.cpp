@@ -401,8 +401,10 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x_in) {
 
 }  // namespace
 
+#ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d, m fp16 [N, K/32])");
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])");
   m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])");
 }
+#endif

@@ -420,7 +420,9 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<tor
 
 }  // namespace
 
+#ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "rotary + K/V write (when cos is given) and decode attention over items of KV blocks -> o [rows, h*D]");
 }
+#endif

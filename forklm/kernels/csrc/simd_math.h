@@ -1,6 +1,6 @@
 // Small AVX2 helpers shared by forklm's CPU kernels (block_gemm.cpp, paged_attention.cpp,
-// sampler.cpp). block_gemm.py's `load_cpu_extension` hashes this header into each build's flags,
-// so an edit here rebuilds every kernel that includes it.
+// sampler.cpp). block_gemm.py's `load_cpu_extension` hashes the files beside a source into its
+// build flags, so an edit here rebuilds every kernel that includes it.
 #pragma once
 
 #include <immintrin.h>

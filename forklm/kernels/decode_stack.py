@@ -1,0 +1,79 @@
+"""A decode step's transformer layers in one C++ call (csrc/decode_stack.cpp), for float32 Llama
+models whose layers all run on the block kernel, on steps that run the C++ attention.
+
+Why: on such a step the model's Python loop makes ~150 calls into C++ (four block-kernel products
+and one attention call per layer), each with its Python wrappers around it: ~1 ms of a 7 ms step
+at one sample. The stack makes the same calls with the same arguments from C++ (the two kernels'
+sources compiled into one module), so its output equals the loop's bit for bit.
+
+    stack = build(model)                # None when the model or this machine does not qualify
+    x = attention.run_layers(stack, x, cos, sin)   # PagedAttention passes its caches and plan
+
+FORKLM_DECODE_STACK=0 in the environment turns it off (the Python loop then).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from forklm.kernels import block_gemm, cpu_attention
+from forklm.kernels.block_gemm import cpu_extension_error, load_cpu_extension
+
+_SOURCE = Path(__file__).parent / "csrc" / "decode_stack.cpp"
+
+
+@lru_cache(maxsize=1)
+def _extension():
+    # the block kernel's build (AVX2 or AVX512-VNNI): the same instructions as its own module
+    if block_gemm.uses_vnni():
+        try:
+            return load_cpu_extension("forklm_decode_stack_vnni", _SOURCE, block_gemm._VNNI_CFLAGS)
+        except Exception:  # noqa: BLE001, S110 - as block_gemm: the AVX2 build still runs
+            pass
+    return load_cpu_extension("forklm_decode_stack", _SOURCE)
+
+
+@lru_cache(maxsize=1)
+def build_error() -> str | None:
+    """None when the stack is built and loaded (building it on first call), else why not."""
+    if os.environ.get("FORKLM_DECODE_STACK", "1") == "0":
+        return "disabled by FORKLM_DECODE_STACK=0"
+    for name, kernel in (("block kernel", block_gemm), ("C++ attention", cpu_attention)):
+        if kernel.build_error() is not None:
+            return f"the {name} does not run here: {kernel.build_error()}"
+    return cpu_extension_error(_extension)
+
+
+def available() -> bool:
+    return build_error() is None
+
+
+@dataclass
+class DecodeStack:
+    kernel: object  # the C++ DecodeStack: the layers' norms and block matrices
+    max_rows: int  # the most rows a step may have to run on it (every product's kernel limit)
+
+
+def build(model) -> DecodeStack | None:
+    """The stack for a Llama-type model (`forklm.models.llama.LlamaModel`) whose every layer runs on
+    the block kernel (float32, GGUF blocks, no biases), else None."""
+    from forklm.models.quant import BlockLinear
+
+    names = ("qkv", "o", "gate_up", "down")
+    if model.dtype != torch.float32 or not available():
+        return None
+    for layer in model.layers:
+        if any(not isinstance(layer[n], BlockLinear) or layer.get(f"{n}_bias") is not None for n in names):
+            return None
+    mats = [layer[n] for layer in model.layers for n in names]
+    kernel = _extension().DecodeStack(
+        [t for layer in model.layers for t in (layer["attn_norm"], layer["mlp_norm"])],
+        [w.blocks.qs for w in mats], [w.blocks.d for w in mats], [w.blocks.m for w in mats],
+        [w.blocks.kind == "q4_1" for w in mats], float(model.config.rms_norm_eps), model.config.num_heads,
+    )
+    return DecodeStack(kernel, min(w.max_rows for w in mats))

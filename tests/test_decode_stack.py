@@ -1,0 +1,117 @@
+"""The decode stack (kernels/decode_stack.py: a step's layers in one C++ call) against the model's
+layer loop it replaces: the same samples and log-probabilities bit for bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from forklm.attention.paged import PagedAttention
+from forklm.kernels import decode_stack
+
+pytestmark = pytest.mark.skipif(not decode_stack.available(),
+                                reason=f"decode stack not built: {decode_stack.build_error()}")
+
+
+def tiny_block_model(seed: int = 7):
+    """A small random Llama whose layers are Q4_1 blocks (int4 from its float weights)."""
+    from conftest import tiny_llama
+
+    return tiny_llama(29, 64, 4, 2, 16, 96, 2, torch.float32, seed=seed, max_positions=1024, quantize="int4")
+
+
+def use_stack(model, on: bool) -> None:
+    model._decode_stack = decode_stack.build(model) if on else None
+    model._decode_stack_checked = True
+
+
+def count_stack_steps(monkeypatch) -> dict[str, int]:
+    calls = {"n": 0}
+    real = PagedAttention.run_layers
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(PagedAttention, "run_layers", counted)
+    return calls
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "model"])
+def test_engine_on_the_stack_equals_the_layer_loop(monkeypatch, speculative, kv_dtype):
+    """Shared prompts, n = 2 (steps of up to 6 rows: within the kernel's 8 on every CPU), chunked
+    prefill beside decode rows (those steps keep the loop), multi-token extends (speculation): the
+    same tokens and log-probabilities bit for bit."""
+    from forklm.engine.engine import Engine, EngineConfig
+    from forklm.sampling.params import SamplingParams
+
+    model = tiny_block_model()
+    calls = count_stack_steps(monkeypatch)
+    rng = random.Random(3)
+    system = [rng.randrange(29) for _ in range(37)]
+    prompts = [system + [rng.randrange(29) for _ in range(rng.randint(1, 20))] for _ in range(2)]
+    prompts.append([rng.randrange(29) for _ in range(90)])
+    outs, steps = {}, {}
+    for on in (True, False):
+        use_stack(model, on)
+        calls["n"] = 0
+        engine = Engine(model, lambda ids: " ".join(map(str, ids)), (), EngineConfig(
+            num_blocks=96, decode_kernel="cpu", block_size=8, max_batch_tokens=24, speculative=speculative,
+            kv_dtype=kv_dtype))
+        states = [engine.add_request(p, SamplingParams(n=2, max_tokens=14, temperature=1.0, seed=i))
+                  for i, p in enumerate(prompts)]
+        engine.run()
+        engine.check_integrity()
+        outs[on], steps[on] = [st.output for st in states], calls["n"]
+    assert steps[True] > 10 and steps[False] == 0
+    for a, b in zip(outs[True], outs[False]):
+        for sa, sb in zip(a.samples, b.samples):
+            assert sa.token_ids == sb.token_ids and sa.logprobs == sb.logprobs
+
+
+def test_default_model_samples_the_same_on_the_stack(monkeypatch, smollm2_gguf):
+    """SmolLM2's GGUF blocks (Q4_1 layers), one sample and eight sharing a prompt."""
+    from forklm import LLM
+
+    llm = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
+    calls = count_stack_steps(monkeypatch)
+    prompt = "def quicksort(xs):\n    "
+    got = {}
+    for on in (True, False):
+        use_stack(llm.model, on)
+        got[on] = [llm.sample(prompt, n=n, max_tokens=12, temperature=0.9, top_p=0.95, seed=5) for n in (1, 8)]
+    assert calls["n"] >= 2 * 11
+    for a, b in zip(got[True], got[False]):
+        assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+        assert [s.logprobs for s in a.samples] == [s.logprobs for s in b.samples]
+
+
+def test_models_off_the_block_kernel_get_no_stack():
+    from conftest import tiny_llama
+
+    assert decode_stack.build(tiny_llama(29, 64, 4, 2, 16, 96, 2, torch.float32, seed=1)) is None  # dense weights
+    assert decode_stack.build(tiny_llama(29, 64, 4, 2, 16, 96, 2, torch.bfloat16, seed=1, quantize="int4")) is None
+    stack = decode_stack.build(tiny_block_model())
+    assert stack is not None and stack.kernel.num_layers == 2 and stack.max_rows >= 1
+
+
+def test_a_malformed_stack_is_refused_with_a_message():
+    model = tiny_block_model()
+    ext = decode_stack._extension()
+    layer = model.layers[0]
+    with pytest.raises(RuntimeError, match="2 norms and 4 block matrices per layer"):
+        ext.DecodeStack([layer["attn_norm"]], [], [], [], [], 1e-5, 4)
+
+
+def test_the_environment_switch_turns_the_stack_off():
+    import os
+    import subprocess
+    import sys
+
+    code = "from forklm.kernels import decode_stack; print(decode_stack.available(), decode_stack.build_error())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FORKLM_DECODE_STACK": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False disabled by FORKLM_DECODE_STACK=0"
