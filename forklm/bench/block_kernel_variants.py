@@ -4,7 +4,8 @@
         [--out bench/results/block_kernel_variants_cpu.json]
 
 Builds csrc/block_gemm.cpp in several variants (the AVX2 build; on CPUs with AVX512-VNNI the VNNI
-build; each with 1 or 4 outputs per tile of a lone row: FORKLM_ONE_ROW_TILE_OUTS), loads the
+build; each with 1 or 4 outputs per tile of a lone row, FORKLM_ONE_ROW_TILE_OUTS, and with the
+lone row's Q4_1 products on `one_row_q4_1`, FORKLM_ONE_ROW_DIRECT, the default), loads the
 default model and runs the 121 products of one decode step (30 layers x q/k/v, o, gate/up, down,
 and the LM head, each on its own random activations of `--rows` rows) through every variant,
 rounds interleaved, checking that all variants give the same bits. Reports the minimum and median
@@ -34,7 +35,8 @@ def variants() -> dict[str, tuple[str, tuple[str, ...]]]:
     for build, flags in builds:
         for outs in (1, 4):
             out[f"{build}_one_row_tile_{outs}"] = (f"forklm_bgv_{build}_t{outs}",
-                                                   (*flags, f"-DFORKLM_ONE_ROW_TILE_OUTS={outs}"))
+                                                   (*flags, f"-DFORKLM_ONE_ROW_TILE_OUTS={outs}", "-DFORKLM_ONE_ROW_DIRECT=0"))
+        out[f"{build}_one_row_direct"] = (f"forklm_bgv_{build}_direct", (*flags, "-DFORKLM_ONE_ROW_DIRECT=1"))
     return out
 
 
