@@ -2,9 +2,10 @@
 once per machine).
 
 Why: the PyTorch path of `sampling/sampler.py` (a 64-wide probe, then a radix select over the whole
-vocabulary, then a two-level inverse CDF) runs ~25 full-row operators per draw: 1.1 ms of a 7.7 ms
-decode step at one sample, 31 ms of a 122 ms step at 64 (49k vocabulary, flat rows). Here each row
-takes a few passes over its logits (sampler.cpp says how), rows split across threads.
+vocabulary, then a two-level inverse CDF) runs ~25 full-row operators per draw: 1.4 ms of a 9.7 ms
+decode step at one sample, 34 ms of a 141 ms step at 64 (49k vocabulary, flat rows; this takes 0.35
+and 5.5 ms: bench/results/cpu_sampler_step_cpu_avx512.json). Here each row takes a few passes over
+its logits (sampler.cpp says how), rows split across threads.
 
     tokens = sample_logits(logits, temperature, top_k, top_p, u)   # logits float32 [b, V], u float64 [b]
     logprobs = token_logprobs(logits, tokens)                      # the model's log-softmax of each
