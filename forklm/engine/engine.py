@@ -148,6 +148,12 @@ class Engine:
             draft_model, draft_tokenizer = load_draft_model(spec.draft_model, model.dtype, model.device)
             check_same_vocabulary(model, tokenizer if has_tokenizer else None, draft_model, draft_tokenizer)
         self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model)
+        if model.device.type == "cpu":  # the step's other C++ parts built now (once per machine), not on a request
+            from forklm.kernels import cpu_sampler
+
+            cpu_sampler.available()
+            if self.decode_kernel == "cpu":
+                model.prepare_decode_stack()
         self.kv_dtype = _resolve_kv_dtype(cfg.kv_dtype, model, self.decode_kernel)
         per_block = kv_bytes_per_block(model.config, self.kv_dtype, cfg.block_size)
         if draft_model is not None:  # every block has a twin in the draft's KV

@@ -65,11 +65,13 @@ def build(model) -> DecodeStack | None:
     from forklm.models.quant import BlockLinear
 
     names = ("qkv", "o", "gate_up", "down")
-    if model.dtype != torch.float32 or not available():
+    if model.dtype != torch.float32:
         return None
     for layer in model.layers:
         if any(not isinstance(layer[n], BlockLinear) or layer.get(f"{n}_bias") is not None for n in names):
             return None
+    if not available():  # (built here on first use: only for models that qualify)
+        return None
     mats = [layer[n] for layer in model.layers for n in names]
     kernel = _extension().DecodeStack(
         [t for layer in model.layers for t in (layer["attn_norm"], layer["mlp_norm"])],

@@ -299,14 +299,19 @@ class LlamaModel:
         gate, up = gate_up.chunk(2, dim=-1)
         return residual + self._linear(F.silu(gate) * up, w, bias)
 
-    def _decode_stack_for(self, rows: int):
-        """The model's `DecodeStack` when a step of this many rows runs on it, else None."""
+    def prepare_decode_stack(self):
+        """The model's `DecodeStack` (kernels/decode_stack.py), built on the first call (the engine
+        calls this when it starts, so no request waits for the build), or None where it does not run."""
         if not self._decode_stack_checked:
             from forklm.kernels import decode_stack
 
             self._decode_stack = decode_stack.build(self)
             self._decode_stack_checked = True
-        stack = self._decode_stack
+        return self._decode_stack
+
+    def _decode_stack_for(self, rows: int):
+        """The model's `DecodeStack` when a step of this many rows runs on it, else None."""
+        stack = self.prepare_decode_stack()
         return stack if stack is not None and rows <= stack.max_rows else None
 
     @torch.inference_mode()
