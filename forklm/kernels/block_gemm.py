@@ -116,14 +116,20 @@ def uses_vnni() -> bool:
             and all(f in cpu_flags() for f in VNNI_CPU_FLAGS))
 
 
-@lru_cache(maxsize=1)
-def _extension():
+def load_block_kernel_build(name: str, source: Path):
+    """A source holding the block kernel, built as `name_vnni` with AVX512-VNNI where `uses_vnni`
+    (falling back to the AVX2 build `name` if that build fails), else as `name`."""
     if uses_vnni():
         try:
-            return load_cpu_extension("forklm_block_gemm_vnni", _SOURCE, _VNNI_CFLAGS)
+            return load_cpu_extension(f"{name}_vnni", source, _VNNI_CFLAGS)
         except Exception:  # noqa: BLE001, S110 - a compiler without AVX512-VNNI: the AVX2 build still runs
             pass
-    return load_cpu_extension("forklm_block_gemm", _SOURCE)
+    return load_cpu_extension(name, source)
+
+
+@lru_cache(maxsize=1)
+def _extension():
+    return load_block_kernel_build("forklm_block_gemm", _SOURCE)
 
 
 @lru_cache(maxsize=1)

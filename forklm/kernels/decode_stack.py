@@ -22,20 +22,14 @@ from pathlib import Path
 import torch
 
 from forklm.kernels import block_gemm, cpu_attention
-from forklm.kernels.block_gemm import cpu_extension_error, load_cpu_extension
+from forklm.kernels.block_gemm import cpu_extension_error
 
 _SOURCE = Path(__file__).parent / "csrc" / "decode_stack.cpp"
 
 
 @lru_cache(maxsize=1)
-def _extension():
-    # the block kernel's build (AVX2 or AVX512-VNNI): the same instructions as its own module
-    if block_gemm.uses_vnni():
-        try:
-            return load_cpu_extension("forklm_decode_stack_vnni", _SOURCE, block_gemm._VNNI_CFLAGS)
-        except Exception:  # noqa: BLE001, S110 - as block_gemm: the AVX2 build still runs
-            pass
-    return load_cpu_extension("forklm_decode_stack", _SOURCE)
+def _extension():  # the block kernel's build (AVX2 or AVX512-VNNI), as its own module
+    return block_gemm.load_block_kernel_build("forklm_decode_stack", _SOURCE)
 
 
 @lru_cache(maxsize=1)

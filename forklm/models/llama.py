@@ -314,26 +314,14 @@ class LlamaModel:
         stack = self.prepare_decode_stack()
         return stack if stack is not None and rows <= stack.max_rows else None
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        attention: StepAttention,
-        logits_rows: torch.Tensor | None = None,  # which of the T rows need logits; None: all
-    ) -> torch.Tensor:  # [len(logits_rows) or T, V] float32
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: StepAttention,
+                fused: bool) -> torch.Tensor:
+        """x [T, H] through every layer, one product and one attention call at a time."""
         c = self.config
         h, g, D = c.num_heads, c.num_kv_heads, c.head_dim
-        T = input_ids.shape[0]
-        x = self.embed[input_ids] if self._embed_rows is None else self._embed_rows(input_ids)  # [T, H]
-        cos, sin = self._rope(positions)
+        T = x.shape[0]
         eps = c.rms_norm_eps
-        # a decode step on the CPU kernel: rotary, K/V write and attention in one call per layer
-        fused = getattr(attention, "fuses_rope", False) and x.dtype == torch.float32
-        stack = self._decode_stack_for(T) if fused else None
-        if stack is not None:  # and the layers' products with it: the loop below in one C++ call
-            x = attention.run_layers(stack.kernel, x, cos, sin)
-        for i, layer in enumerate(self.layers if stack is None else ()):
+        for i, layer in enumerate(self.layers):
             qkv = self._norm_linear(x, layer["attn_norm"], eps, layer["qkv"], layer["qkv_bias"])
             if fused:
                 a = attention.attend_qkv(i, qkv, cos, sin)  # [T, h·D]
@@ -345,9 +333,29 @@ class LlamaModel:
             x = self._linear_add(a.reshape(T, h * D), layer["o"], layer["o_bias"], x)
             gate_up = self._norm_linear(x, layer["mlp_norm"], eps, layer["gate_up"], layer["gate_up_bias"])
             x = self._swiglu_linear_add(gate_up, layer["down"], layer["down_bias"], x)
+        return x
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attention: StepAttention,
+        logits_rows: torch.Tensor | None = None,  # which of the T rows need logits; None: all
+    ) -> torch.Tensor:  # [len(logits_rows) or T, V] float32
+        T = input_ids.shape[0]
+        x = self.embed[input_ids] if self._embed_rows is None else self._embed_rows(input_ids)  # [T, H]
+        cos, sin = self._rope(positions)
+        # a decode step on the CPU kernel: rotary, K/V write and attention in one call per layer
+        fused = getattr(attention, "fuses_rope", False) and x.dtype == torch.float32
+        stack = self._decode_stack_for(T) if fused else None
+        if stack is not None:  # and the layers' products with it: `_layers` in one C++ call
+            x = attention.run_layers(stack.kernel, x, cos, sin)
+        else:
+            x = self._layers(x, cos, sin, attention, fused)
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = self._norm_linear(x, self.norm, eps, self.lm_head, None).float()
+        logits = self._norm_linear(x, self.norm, self.config.rms_norm_eps, self.lm_head, None).float()
         if self.num_valid_tokens < logits.shape[-1]:
             logits[:, self.num_valid_tokens :] = float("-inf")  # padding rows: no token has these ids
         return logits

@@ -4,7 +4,7 @@ Order (as in Hugging Face's logits processors): temperature, then top-k, then to
 inverse-CDF draw per row from a counter-based uniform (see seeds.py). The rule is
 `sample_weights_reference` (ties in the order broken by token id; the draw walks the kept tokens
 in token-id order). On CPU tensors `sample_tokens` and `model_logprobs` run forklm's C++ sampler
-(kernels/cpu_sampler.py: a few passes over each row, 3-6x faster than the operators below); elsewhere
+(kernels/cpu_sampler.py: a few passes over each row, 4-6x faster than the operators below); elsewhere
 `sample_tokens_torch` runs it in PyTorch operators: a full sort of the vocabulary is slow on a CPU
 (~120 ms for 64 × 49k), so top-p first looks for the nucleus among the 64 largest probabilities
 (one `topk`) and, for a row whose nucleus is wider, selects it without sorting: a radix select

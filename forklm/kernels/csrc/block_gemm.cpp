@@ -296,9 +296,8 @@ void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y
 // bits), with each block pair's scale d_w·d_x formed as it is used from the float16 scales (no
 // scratch passes) and the row's paired activations `xp` permuted once per call instead of per
 // output. xp: [nb/2] pairs of 32 bytes (low halves of blocks b and b+1, then their high halves).
-// Over a step's products at one row: 5-11% faster than tile<true, 1, 1> (block_kernel_variants,
-// AVX-512 EPYC; a variant holding the scales in an array first measured the same). The Q8_0 LM
-// head keeps `tile`: its products run at the machine's copy bandwidth already.
+// Over a step's products at one row: 8-11% faster than tile<true, 1, 1> (block_kernel_variants,
+// AVX-512 EPYC). The Q8_0 LM head keeps `tile`: its products run at about the copy bandwidth.
 #ifndef FORKLM_ONE_ROW_DIRECT
 #define FORKLM_ONE_ROW_DIRECT 1
 #endif

@@ -96,18 +96,26 @@ bool row_weights(const float* l, int64_t V, float temperature, float* w) {
   return true;
 }
 
-// Σ w over [0, V) in float64, 8 lanes in a fixed order.
-double total_mass(const float* w, int64_t V) {
+// A float64 sum of floats taken 8 at a time: two 4-lane accumulators, added in a fixed order.
+struct Sum8d {
   __m256d a = _mm256_setzero_pd(), b = _mm256_setzero_pd();
-  int64_t j = 0;
-  for (; j + 8 <= V; j += 8) {
-    const __m256 x = _mm256_loadu_ps(w + j);
+  void add(__m256 x) {
     a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
     b = _mm256_add_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
   }
-  alignas(32) double s[4];
-  _mm256_store_pd(s, _mm256_add_pd(a, b));
-  double r = (s[0] + s[1]) + (s[2] + s[3]);
+  double total() const {
+    alignas(32) double s[4];
+    _mm256_store_pd(s, _mm256_add_pd(a, b));
+    return (s[0] + s[1]) + (s[2] + s[3]);
+  }
+};
+
+// Σ w over [0, V) in float64, 8 lanes in a fixed order.
+double total_mass(const float* w, int64_t V) {
+  Sum8d sum;
+  int64_t j = 0;
+  for (; j + 8 <= V; j += 8) sum.add(_mm256_loadu_ps(w + j));
+  double r = sum.total();
   for (; j < V; ++j) r += w[j];
   return r;
 }
@@ -239,18 +247,14 @@ int64_t draw(const float* w, int64_t V, const Candidates& cand, const Boundary& 
     double block = 0.0;
     bool ties = false;  // a token equal to the boundary's weight: its id decides
     if (e - s == DRAW_BLOCK) {
-      __m256d a = _mm256_setzero_pd(), c = _mm256_setzero_pd();
+      Sum8d sum;
       __m256 eq = _mm256_setzero_ps();
       for (int64_t j = s; j < e; j += 8) {
         const __m256 x = _mm256_loadu_ps(w + j);
-        const __m256 in = _mm256_and_ps(x, _mm256_cmp_ps(x, vb, _CMP_GT_OQ));
+        sum.add(_mm256_and_ps(x, _mm256_cmp_ps(x, vb, _CMP_GT_OQ)));
         eq = _mm256_or_ps(eq, _mm256_cmp_ps(x, vb, _CMP_EQ_OQ));
-        a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(in)));
-        c = _mm256_add_pd(c, _mm256_cvtps_pd(_mm256_extractf128_ps(in, 1)));
       }
-      alignas(32) double sum[4];
-      _mm256_store_pd(sum, _mm256_add_pd(a, c));
-      block = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      block = sum.total();
       ties = bw > 0.f && _mm256_movemask_ps(eq) != 0;  // (a boundary of weight 0: every token, zeros weigh nothing)
     } else {
       ties = true;
@@ -374,15 +378,9 @@ torch::Tensor token_logprobs(const torch::Tensor& logits_in, const torch::Tensor
         continue;
       }
       const __m256 m = _mm256_set1_ps(mx);
-      __m256d a = _mm256_setzero_pd(), c = _mm256_setzero_pd();
-      for (j = 0; j + 8 <= V; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(l + j), m));
-        a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-        c = _mm256_add_pd(c, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-      }
-      alignas(32) double s[4];
-      _mm256_store_pd(s, _mm256_add_pd(a, c));
-      double sum = (s[0] + s[1]) + (s[2] + s[3]);
+      Sum8d acc;
+      for (j = 0; j + 8 <= V; j += 8) acc.add(exp8(_mm256_sub_ps(_mm256_loadu_ps(l + j), m)));
+      double sum = acc.total();
       for (; j < V; ++j) sum += std::exp(static_cast<double>(l[j]) - mx);
       op[r] = static_cast<float>(static_cast<double>(l[tp[r]]) - mx - std::log(sum));
     }
