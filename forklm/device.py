@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -15,18 +16,38 @@ _DTYPES = {
 }
 
 
+# Instruction sets past AVX2 that forklm's rules look at (and their relatives): FORKLM_CPU_ISA=avx2
+# hides them, so an AVX-512 machine takes every choice an AVX2-only CPU would (set beside
+# ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 for PyTorch's own
+# kernels, and llama.cpp's AVX2 build: scripts/build_llama_cpp.sh with LLAMA_CPP_ISA=avx2).
+_ABOVE_AVX2_PREFIXES = ("avx512", "amx", "avx_vnni", "avx10")
+
+
 @lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none), less every
+    instruction set past AVX2 when FORKLM_CPU_ISA=avx2."""
+    isa = os.environ.get("FORKLM_CPU_ISA", "native")
+    if isa not in ("native", "avx2"):
+        raise InvalidArgumentError(f"FORKLM_CPU_ISA must be 'native' or 'avx2', got {isa!r}")
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    flags = frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+    if isa == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(_ABOVE_AVX2_PREFIXES))
+    return flags
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16).
 
     Without it PyTorch emulates bfloat16 matrix products, ~5x slower than float32 (measured on
     an AVX-512 Xeon without those flags), so float32 is the better default there.
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

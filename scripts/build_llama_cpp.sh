@@ -8,6 +8,9 @@
 #   LLAMA_CPP_PYTHON_VERSION  the sdist to build from (default 0.3.36)
 #   FORKLM_LLAMA_CPP_DIR      where to build (default .cache/llama.cpp under the repo)
 #   JOBS                      parallel compile jobs (default: the number of CPUs)
+#   LLAMA_CPP_ISA             native (default: -march=native) or avx2 (AVX2 + FMA + F16C + BMI2 only,
+#                             into build-$VERSION-avx2: llama.cpp's AVX2 code on an AVX-512 CPU, to set
+#                             beside forklm's AVX2 build, FORKLM_BLOCK_KERNEL_VNNI=0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -15,7 +18,14 @@ ROOT=${FORKLM_LLAMA_CPP_DIR:-$PWD/.cache/llama.cpp}
 PY=${PYTHON:-$PWD/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 SRC="$ROOT/llama_cpp_python-$VERSION"
-BUILD="$ROOT/build-$VERSION"
+ISA=${LLAMA_CPP_ISA:-native}
+case "$ISA" in
+    native) BUILD="$ROOT/build-$VERSION"; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2) BUILD="$ROOT/build-$VERSION-avx2"
+          ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
+    *) echo "LLAMA_CPP_ISA must be native or avx2, not $ISA" >&2; exit 2 ;;
+esac
 BIN="$BUILD/bin/llama-batched-bench"
 
 if [ -x "$BIN" ]; then
@@ -41,7 +51,7 @@ echo "configuring llama.cpp ${COMMIT:-unknown} in $BUILD" >&2
 nice cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=ON \
+    "${ISA_FLAGS[@]}" \
     -DGGML_CUDA=OFF \
     -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF \

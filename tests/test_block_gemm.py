@@ -254,6 +254,24 @@ def test_vnni_build_equals_the_avx2_build_bit_for_bit(kind):
         assert torch.equal(bg.gemm(x, w), getattr(avx2, fn)(x, *args, bg.PLAIN, None, 0.0, None))
 
 
+def test_paired_row_tiles_equal_the_plain_tiles_bit_for_bit():
+    """Q4_1 tiles of 2-4 rows run `paired_tile` (activations paired once per call, scales spread):
+    every product, plain and fused, equals the `tile` build's (FORKLM_PAIRED_ROWS=0) bit for bit, at
+    every row count's mix of tiles and with an odd number of blocks (the last one alone)."""
+    plain = bg.load_cpu_extension("forklm_block_gemm_unpaired", bg._SOURCE, ("-DFORKLM_PAIRED_ROWS=0",))
+    paired = bg._extension()
+    for k in (160, 640):
+        w = random_blocks("q4_1", 197, k, seed=k).to_block_weights()
+        for t in (2, 3, 4, 5, 6, 7, 8, 9, 13, 32):
+            x = torch.randn(t, k) * 3
+            res = torch.randn(t, 197)
+            for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, torch.rand(k) + 0.5, res)):
+                a = plain.gemm_q4_1(x, w.qs, w.d, w.m, mode, nw, 1e-5, r)
+                b = paired.gemm_q4_1(x, w.qs, w.d, w.m, mode, nw, 1e-5, r)
+                assert torch.equal(a, b), (k, t, mode)
+            assert rel_err(paired.gemm_q4_1(x, w.qs, w.d, w.m, bg.PLAIN, None, 0.0, None), bg.gemm_reference(x, w)) < 1e-5
+
+
 def test_auto_dtype_is_float32_where_the_weights_run_on_the_block_kernel(smollm2_gguf):
     """dtype='auto' is a fixed rule of the CPU's features and the weights' format: the block kernel's
     float32 activations for GGUF blocks / int4 (dense copies bfloat16 where the CPU has it natively);
@@ -271,3 +289,32 @@ def test_auto_dtype_is_float32_where_the_weights_run_on_the_block_kernel(smollm2
     dense = LLM("smollm2-135m", device="cpu", quantize=None)  # no blocks: the device rule
     assert dense.dtype == resolve_dtype("auto", cpu)
     assert LLM("smollm2-135m", device="cpu", dtype="bfloat16").dtype == torch.bfloat16  # asked for: kept
+
+
+def test_cpu_isa_avx2_takes_every_choice_an_avx2_cpu_would(monkeypatch):
+    """FORKLM_CPU_ISA=avx2 hides the flags past AVX2 from forklm's rules (the kernel's AVX2 build,
+    float32 dense copies, no native bfloat16); a value it does not know is refused by name."""
+    import subprocess
+    import sys
+
+    from forklm.device import cpu_flags
+    from forklm.errors import InvalidArgumentError
+
+    probe = ("from forklm.device import cpu_flags, cpu_has_native_bf16; from forklm.kernels import block_gemm as bg;"
+             "from forklm.models import quant; f = cpu_flags();"
+             "print(any(x.startswith(('avx512', 'amx')) for x in f), 'avx2' in f, cpu_has_native_bf16(),"
+             " bg.uses_vnni(), quant.block_dense_dtype())")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "FORKLM_CPU_ISA"}
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "FORKLM_CPU_ISA": "avx2"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "False", "False", "torch.float32"]
+    native = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert native[1] == "True" and native[0] == str(any(x.startswith(("avx512", "amx")) for x in cpu_flags()))
+    monkeypatch.setenv("FORKLM_CPU_ISA", "avx512")
+    cpu_flags.cache_clear()
+    try:
+        with pytest.raises(InvalidArgumentError, match="FORKLM_CPU_ISA"):
+            cpu_flags()
+    finally:
+        monkeypatch.delenv("FORKLM_CPU_ISA")
+        cpu_flags.cache_clear()

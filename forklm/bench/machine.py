@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
+
+from forklm.device import cpu_flags
 
 
 def cpu_model() -> str:
@@ -19,22 +22,17 @@ def cpu_model() -> str:
 
 
 def machine_info() -> dict:
-    """CPU model, its vector features (AVX2, AVX-512, AVX512-BF16, AMX), cores, torch version."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    """CPU model, its vector features as forklm's rules see them (AVX2, AVX-512, AVX512-BF16, AMX;
+    FORKLM_CPU_ISA=avx2 hides those past AVX2), the ISA PyTorch's kernels run, cores, torch version."""
+    flags = cpu_flags()
     return {
         "cpu": cpu_model(),
         "avx2": "avx2" in flags,
         "avx512": "avx512f" in flags,
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": "amx_tile" in flags,
+        "forklm_cpu_isa": os.environ.get("FORKLM_CPU_ISA", "native"),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "torch": torch.__version__,

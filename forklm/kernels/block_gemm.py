@@ -27,20 +27,11 @@ from pathlib import Path
 
 import torch
 
+from forklm.device import cpu_flags
+
 BLOCK = 32
 _SOURCE = Path(__file__).parent / "csrc" / "block_gemm.cpp"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def cpu_supports() -> bool:

@@ -284,12 +284,104 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
     for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + mt[i][j];
 }
 
+// Rows of activations as `paired_tile` reads them, prepared once per call: for blocks b, b+1 of each
+// row their values paired as `pair_activations` lays them out, and their scales spread to the lanes
+// of the pair's int32 sums (dx_b x4, dx_b+1 x4).
+struct PairedActs {
+  const int8_t* xp;   // [T, nb/2, 64]: row stride K bytes
+  const float* dxe;   // [T, nb/2, 8]: row stride nb/2·8 floats
+};
+
+// The Q4_1 products of `tile<true, TO, TN>` with the same operations in the same order (so the same
+// bits) but the per-output work of a block pair hoisted out of the rows' loop: the rows' activations
+// read already paired (no permutes per tile), each scale d_w·d_x formed as a vector product of the
+// output's spread d_w (converted once per pair) and the row's spread d_x (`PairedActs`), no scratch.
+// Per block pair and (output, row): 2 byte products, their sum, its widening, a conversion, a
+// product and an FMA (the 2 x 4 tile before it: 2 permutes a row and a scale shuffle more).
+template <int TO, int TN>
+void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& xp, float* y, int64_t N) {
+  const int64_t nb = w.nb, pairs = nb / 2;
+  const int64_t ahead = o + 2 * TO;  // prefetch as `tile`
+  if (ahead + TO <= N) {
+    const char* values = reinterpret_cast<const char*>(w.qs + ahead * w.row_bytes);
+    for (int64_t off = 0; off < TO * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
+    const char* scales = reinterpret_cast<const char*>(w.d + ahead * nb);
+    for (int64_t off = 0; off < TO * nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+    const char* minima = reinterpret_cast<const char*>(w.m + ahead * nb);
+    for (int64_t off = 0; off < TO * nb * 2; off += 64) _mm_prefetch(minima + off, _MM_HINT_T0);
+  }
+  float mt[TO][TN];  // Σ_b mw·sx in `dot`'s order (8 lanes, their sum, then the tail)
+  for (int i = 0; i < TO; ++i) {
+    const uint16_t* mw = w.m + (o + i) * nb;
+    for (int j = 0; j < TN; ++j) {
+      const float* sx = x.s + j * nb;
+      __m256 macc = _mm256_setzero_ps();
+      int64_t b = 0;
+      for (; b + 8 <= nb; b += 8)
+        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + b))),
+                               _mm256_loadu_ps(sx + b), macc);
+      float r = hsum(macc);
+      for (; b < nb; ++b) r = std::fma(half_to_float(mw[b]), sx[b], r);
+      mt[i][j] = r;
+    }
+  }
+  __m256 acc[TO][TN];
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  for (int64_t pr = 0; pr < pairs; ++pr) {
+    __m256i wlo[TO], whi[TO];
+    __m256 dwv[TO];
+    for (int i = 0; i < TO; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + pr * QK));
+      wlo[i] = _mm256_and_si256(v, low4);
+      whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      int32_t dpair;
+      std::memcpy(&dpair, w.d + (o + i) * nb + 2 * pr, sizeof dpair);
+      dwv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(dpair))), pair_idx);
+    }
+    for (int j = 0; j < TN; ++j) {
+      const int8_t* xj = xp.xp + j * x.K + pr * 2 * QK;
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
+      const __m256 dxv = _mm256_loadu_ps(xp.dxe + (j * pairs + pr) * 8);
+      for (int i = 0; i < TO; ++i) {
+        const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo[i], xlo, whi[i], xhi));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dwv[i], dxv), p, acc[i][j]);
+      }
+    }
+  }
+  if (nb % 2 == 1) {  // the last block alone, as `tile`
+    const int64_t b = nb - 1;
+    for (int i = 0; i < TO; ++i) {
+      const __m256i wv = load_weights<true>(w, o + i, b);
+      const float dw = half_to_float(w.d[(o + i) * nb + b]);
+      for (int j = 0; j < TN; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
+        const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(wv, xv));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x.d[j * nb + b]), p, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + mt[i][j];
+}
+
 // Outputs [o0, o1) for TN rows: TO outputs at a time, the remainder one by one.
 template <bool Q41, int TO, int TN>
 void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
   int64_t o = o0;
   for (; o + TO <= o1; o += TO) tile<Q41, TO, TN>(w, o, x, y, N, scratch);
   for (; o < o1; ++o) tile<Q41, 1, TN>(w, o, x, y, N, scratch);
+}
+
+template <int TO, int TN>
+void paired_tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const PairedActs& xp, float* y,
+                      int64_t N) {
+  int64_t o = o0;
+  for (; o + TO <= o1; o += TO) paired_tile<TO, TN>(w, o, x, xp, y, N);
+  for (; o < o1; ++o) paired_tile<1, TN>(w, o, x, xp, y, N);
 }
 
 // A lone activation row times Q4_1 outputs [o0, o1): the operations of tile<true, 1, 1> (so the same
@@ -369,6 +461,10 @@ constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while t
 // outputs per tile of a lone row (a decode step of one sample): one. Its products stream their
 // weights from memory, and 1 x 1 tiles measured 14-16% faster over a step's 121 products than the
 // 4 x 1 tiles before them (both builds, AVX-512 EPYC).
+// Q4_1 tiles of 2 to 4 rows on `paired_tile` (1; the default) or `tile` (0).
+#ifndef FORKLM_PAIRED_ROWS
+#define FORKLM_PAIRED_ROWS 1
+#endif
 #ifndef FORKLM_ONE_ROW_TILE_OUTS
 #define FORKLM_ONE_ROW_TILE_OUTS 1
 #endif
@@ -421,16 +517,38 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const float* sx = xq.s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
-  std::vector<int8_t> xpairs;  // a lone last row's paired activations (one_row_q4_1)
-  if (Q41 && FORKLM_ONE_ROW_DIRECT && T % 4 == 1) {
-    xpairs.resize(nb / 2 * 2 * QK);
-    pair_activations(qx + (T - 1) * K, nb, xpairs.data());
+  // Q4_1 rows' paired activations (`one_row_q4_1`'s lone last row; `paired_tile`'s rows with their
+  // spread scales), prepared once per call.
+  const bool paired_rows = Q41 && FORKLM_PAIRED_ROWS && T >= 2;
+  const int64_t paired_from = paired_rows ? 0 : T - 1, pairs = nb / 2;
+  std::vector<int8_t> xpairs;
+  std::vector<float> dx_spread;
+  if (Q41 && (paired_rows || (FORKLM_ONE_ROW_DIRECT && T % 4 == 1))) {
+    xpairs.resize((T - paired_from) * K);
+    for (int64_t t = paired_from; t < T; ++t) pair_activations(qx + t * K, nb, xpairs.data() + (t - paired_from) * K);
+  }
+  if (paired_rows) {
+    dx_spread.resize(T * pairs * 8);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t pr = 0; pr < pairs; ++pr)
+        for (int k = 0; k < 8; ++k) dx_spread[(t * pairs + pr) * 8 + k] = dx[t * nb + 2 * pr + k / 4];
   }
   at::parallel_for(0, n, 16, [&](int64_t a, int64_t z) {
     std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 2)·nb floats at most
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       int64_t t = 0;
+      if (paired_rows) {
+        for (; t + 4 <= T; t += 4)
+          paired_tile_rows<FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, Acts{qx + t * K, dx + t * nb, sx + t * nb, K, nb},
+                                                    PairedActs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8},
+                                                    yp + t * n, n);
+        const Acts rest{qx + t * K, dx + t * nb, sx + t * nb, K, nb};
+        const PairedActs rest_pairs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8};
+        if (T - t == 3) paired_tile_rows<2, 3>(w, c0, c1, rest, rest_pairs, yp + t * n, n);
+        if (T - t == 2) paired_tile_rows<4, 2>(w, c0, c1, rest, rest_pairs, yp + t * n, n);
+        if (T - t >= 2) t = T;
+      }
       for (; t + 4 <= T; t += 4)
         tile_rows<Q41, FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, Acts{qx + t * K, dx + t * nb, sx + t * nb, K, nb}, yp + t * n, n,
                                                 scratch.data());
@@ -440,7 +558,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
         case 2: tile_rows<Q41, 4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
         case 1:
           if (Q41 && FORKLM_ONE_ROW_DIRECT)
-            one_row_q4_1(w, c0, c1, rest, xpairs.data(), yp + t * n, n);
+            one_row_q4_1(w, c0, c1, rest, xpairs.data() + (t - paired_from) * K, yp + t * n, n);
           else
             tile_rows<Q41, FORKLM_ONE_ROW_TILE_OUTS, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data());
           break;
