@@ -53,14 +53,19 @@ KERNEL_MAX_ROWS_F32 = {"int4": 16, "int8": 16}
 KERNEL_MAX_ROWS_F32_WIDE = {"int4": 64, "int8": 16}
 WIDE_OUT = 16384
 # forklm's block kernel (float32 models on AVX2 CPUs, GGUF Q4_1 / Q8_0 blocks): rows per step at or
-# below which it runs, above which the dense float32 copy (measured on a 2-core AVX2 EPYC, README
-# "Quantized weights").
-BLOCK_KERNEL_MAX_ROWS = 32
-BLOCK_KERNEL_MAX_ROWS_WIDE = 64
+# below which it runs, above which the dense copy. Measured by `python -m
+# forklm.bench.block_kernel_crossover` (a step's 120 layer products and the LM head, kernel against
+# dense copy, interleaved rounds). Dense float32 copies (CPUs without native bfloat16; measured with
+# the AVX2 builds on a 2-core AVX-512 EPYC, FORKLM_CPU_ISA=avx2,
+# bench/results/block_kernel_crossover_avx2_builds.json): the kernel is faster at every count up to
+# 96 rows (layers 122 against 138 ms there, LM head 39 against 48).
+BLOCK_KERNEL_MAX_ROWS = 96
+BLOCK_KERNEL_MAX_ROWS_WIDE = 96
 # On CPUs with native bfloat16 (AVX512-BF16 / AMX) the dense copy is bfloat16 (its products 2-3x a
-# float32 one's from T = 8): the kernel then pays off up to fewer rows (measured on a 2-core AVX-512
-# EPYC, README "Quantized weights").
-BLOCK_KERNEL_MAX_ROWS_BF16 = 8
+# float32 one's): the kernel pays off up to fewer rows (2-core AVX-512 EPYC,
+# bench/results/block_kernel_crossover_cpu_avx512.json: layers 28.3 against 31.1 ms at 24 rows,
+# 36.6 against 35.4 at 32; the LM head even at 16 rows, 6.2 against 6.0, slower from 24).
+BLOCK_KERNEL_MAX_ROWS_BF16 = 24
 BLOCK_KERNEL_MAX_ROWS_BF16_WIDE = 16
 
 
