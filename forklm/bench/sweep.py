@@ -22,6 +22,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -32,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from forklm.bench.machine import cpu_model
+from forklm.bench.machine import cpu_model, machine_info
 from forklm.bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes
 from forklm.bench.memory import PeakMemory
 
@@ -403,6 +404,9 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
 
 
 # ---------------------------------------------------------------------- output
+# environment variables that pick instruction sets (recorded beside a run's numbers)
+ISA_ENVIRONMENT = ("FORKLM_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                   "FORKLM_BLOCK_KERNEL_VNNI", "FORKLM_LLAMA_CPP_BIN")
 def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: Ceilings,
                hf_version: str | None, hf_error: str | None, llama_cpp: Any = None) -> dict:
     dev = llm.device
@@ -410,6 +414,9 @@ def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: C
         "machine": platform.machine(),
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
+        # the vector features forklm's rules saw (FORKLM_CPU_ISA) and the ISA PyTorch's kernels ran
+        "cpu_features": machine_info(),
+        "isa_environment": {k: os.environ[k] for k in ISA_ENVIRONMENT if k in os.environ},
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
