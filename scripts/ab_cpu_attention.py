@@ -1,0 +1,91 @@
+"""The C++ decode attention of this tree against the one of another commit, side by side.
+
+    python scripts/ab_cpu_attention.py --against <commit> [--points 2048x32,2048x16,2048x8,256x32]
+        [--rounds 15] [--out bench/results/cpu_attention_ab.json]
+
+Builds csrc/paged_attention.cpp as it is at `--against` (with that commit's simd_math.h) beside
+this tree's build, and per point (m_c x n) times one layer's call of each on the default model's
+shapes (3 KV heads x 3 query heads each, head dim 64, float16 cache, blocks of 16): a shared
+prompt of m_c tokens read by n rows, each row with its own 5-token tail; rounds interleaved,
+minimum and median of 10 calls a round. Checks the two builds' outputs are equal bit for bit.
+Run it alone (`flock /tmp/forklm_bench.lock ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from forklm.bench.machine import machine_info
+from forklm.kernels import block_gemm as bg
+from forklm.kernels import cpu_attention as ca
+from forklm.kernels.segment_attention import SegmentItem
+
+CSRC = "forklm/kernels/csrc"
+
+
+def build_at(commit: str, root: Path):
+    tmp = Path(tempfile.mkdtemp(prefix="forklm_ab_"))
+    for name in ("paged_attention.cpp", "simd_math.h"):
+        text = subprocess.run(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        (tmp / name).write_text(text)
+    sha = subprocess.run(["git", "rev-parse", "--short", commit], cwd=root, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    return bg.load_cpu_extension(f"forklm_pa_ab_{sha}", tmp / "paged_attention.cpp"), sha
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="the commit whose attention to time beside this tree's")
+    ap.add_argument("--points", default="2048x32,2048x16,2048x8,256x32")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", default="bench/results/cpu_attention_ab.json")
+    args = ap.parse_args(argv)
+    root = Path(__file__).resolve().parent.parent
+    old, sha = build_at(args.against, root)
+    new = ca._extension()
+    g, p, D, bs, tail = 3, 3, 64, 16, 5
+    results = {}
+    for point in args.points.split(","):
+        ctx, rows = (int(v) for v in point.split("x"))
+        nb = ctx // bs + rows + 2
+        k, v = torch.randn(g, nb * bs, D).half(), torch.randn(g, nb * bs, D).half()
+        items = [SegmentItem(list(range(rows)), list(range(ctx // bs)), ctx)]
+        items += [SegmentItem([r], [ctx // bs + r], tail) for r in range(rows)]
+        plan = ca.plan_items(items, rows, bs)
+        q = torch.randn(rows, g * p, D)
+
+        def call(ext, q=q, k=k, v=v, plan=plan, rows=rows):
+            return ext.paged_attention(q, None, None, k, v, None, g * p, rows, plan.rows_start, plan.rows,
+                                       plan.blocks_start, plan.blocks, plan.tokens, bs, D ** -0.5, ca.CHUNK_TOKENS)
+
+        if not torch.equal(call(old), call(new)):
+            raise AssertionError(f"{point}: this tree's attention gives other bits than {sha}'s")
+        times = {sha: [], "this tree": []}
+        for _ in range(args.rounds):
+            for name, ext in ((sha, old), ("this tree", new)):
+                t = time.perf_counter()
+                for _ in range(10):
+                    call(ext)
+                times[name].append((time.perf_counter() - t) / 10 * 1e3)
+        results[point] = {name: {"ms_min": min(t), "ms_median": statistics.median(t)} for name, t in times.items()}
+        print(point, ", ".join(f"{name} {r['ms_min']:.3f} / {r['ms_median']:.3f} ms (min / median, one layer)"
+                               for name, r in results[point].items()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "against": sha, "rounds": args.rounds, "points": results},
+                              indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
