@@ -209,6 +209,33 @@ inline __m256i block_dot(__m256i wv, __m256i xv) {
   }
 }
 
+// Outputs [first, first + count)'s weights into cache (values and scales), when they exist: a tile
+// prefetches two tiles ahead (1.3x on a decode step's products, whose weights stream from memory).
+inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int64_t N) {
+  if (first + count > N) return;
+  const char* values = reinterpret_cast<const char*>(w.qs + first * w.row_bytes);
+  for (int64_t off = 0; off < count * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
+  const char* scales = reinterpret_cast<const char*>(w.d + first * w.nb);
+  for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+  if (w.m != nullptr) {
+    const char* minima = reinterpret_cast<const char*>(w.m + first * w.nb);
+    for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(minima + off, _MM_HINT_T0);
+  }
+}
+
+// Σ_b h[b]·f[b] for float16 h, in `dot`'s order (8 lanes, their sum, then the tail): a Q4_1 output's
+// minima times a row's sx, the same bits as `dot` over the minima converted first.
+inline float half_dot(const uint16_t* h, const float* f, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= n; b += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b))),
+                          _mm256_loadu_ps(f + b), acc);
+  float r = hsum(acc);
+  for (; b < n; ++b) r = std::fma(half_to_float(h[b]), f[b], r);
+  return r;
+}
+
 // y[j·N + o + i] for i < TO outputs, j < TN activation rows. scratch: >= TO·(TN + 2)·nb floats.
 template <bool Q41, int TO, int TN>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
@@ -217,17 +244,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
   float* mw = dw + TO * nb;            // [TO, nb]
   float* sc = mw + TO * nb;            // [TO, TN, nb]: dw·dx per block
   float mt[TO][TN];                    // Σ_b mw·sx
-  const int64_t ahead = o + 2 * TO;  // the weights two tiles ahead into cache (values and scales): 1.3x
-  if (ahead + TO <= N) {             // on a decode step's products, whose weights stream from memory
-    const char* values = reinterpret_cast<const char*>(w.qs + ahead * w.row_bytes);
-    for (int64_t off = 0; off < TO * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
-    const char* scales = reinterpret_cast<const char*>(w.d + ahead * nb);
-    for (int64_t off = 0; off < TO * nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
-    if (Q41) {
-      const char* minima = reinterpret_cast<const char*>(w.m + ahead * nb);
-      for (int64_t off = 0; off < TO * nb * 2; off += 64) _mm_prefetch(minima + off, _MM_HINT_T0);
-    }
-  }
+  prefetch_outputs(w, o + 2 * TO, TO, N);
   for (int i = 0; i < TO; ++i) {
     halves_to_float(w.d + (o + i) * nb, dw + i * nb, nb);
     if constexpr (Q41) halves_to_float(w.m + (o + i) * nb, mw + i * nb, nb);
@@ -301,30 +318,10 @@ struct PairedActs {
 template <int TO, int TN>
 void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& xp, float* y, int64_t N) {
   const int64_t nb = w.nb, pairs = nb / 2;
-  const int64_t ahead = o + 2 * TO;  // prefetch as `tile`
-  if (ahead + TO <= N) {
-    const char* values = reinterpret_cast<const char*>(w.qs + ahead * w.row_bytes);
-    for (int64_t off = 0; off < TO * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
-    const char* scales = reinterpret_cast<const char*>(w.d + ahead * nb);
-    for (int64_t off = 0; off < TO * nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
-    const char* minima = reinterpret_cast<const char*>(w.m + ahead * nb);
-    for (int64_t off = 0; off < TO * nb * 2; off += 64) _mm_prefetch(minima + off, _MM_HINT_T0);
-  }
-  float mt[TO][TN];  // Σ_b mw·sx in `dot`'s order (8 lanes, their sum, then the tail)
-  for (int i = 0; i < TO; ++i) {
-    const uint16_t* mw = w.m + (o + i) * nb;
-    for (int j = 0; j < TN; ++j) {
-      const float* sx = x.s + j * nb;
-      __m256 macc = _mm256_setzero_ps();
-      int64_t b = 0;
-      for (; b + 8 <= nb; b += 8)
-        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + b))),
-                               _mm256_loadu_ps(sx + b), macc);
-      float r = hsum(macc);
-      for (; b < nb; ++b) r = std::fma(half_to_float(mw[b]), sx[b], r);
-      mt[i][j] = r;
-    }
-  }
+  prefetch_outputs(w, o + 2 * TO, TO, N);
+  float mt[TO][TN];  // Σ_b mw·sx
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) mt[i][j] = half_dot(w.m + (o + i) * nb, x.s + j * nb, nb);
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -406,17 +403,11 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
     }
     const uint16_t* dw = w.d + o * nb;
     const uint16_t* mw = w.m + o * nb;
-    // Σ_b mw·sx: `dot`'s order (8 lanes, their sum, then the tail)
-    __m256 macc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8)
-      macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + b))),
-                             _mm256_loadu_ps(x.s + b), macc);
-    float mt = hsum(macc);
-    for (; b < nb; ++b) mt = std::fma(half_to_float(mw[b]), x.s[b], mt);
+    const float mt = half_dot(mw, x.s, nb);  // Σ_b mw·sx
     __m256 acc = _mm256_setzero_ps();
     const uint8_t* qs = w.qs + o * w.row_bytes;
-    for (b = 0; b + 2 <= nb; b += 2) {
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 16));
       const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + b * QK));
       const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + b * QK + QK));

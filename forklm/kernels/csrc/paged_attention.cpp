@@ -48,8 +48,6 @@ struct Fp16 {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const Fp16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline float load1(const float* p) { return *p; }
-inline float load1(const Fp16* p) { return _cvtsh_ss(p->bits); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(Fp16* p, __m256 v) {  // rounded to nearest even, as torch's .to(float16)
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
