@@ -31,15 +31,17 @@ from forklm.kernels.segment_attention import SegmentItem
 CSRC = "forklm/kernels/csrc"
 
 
-def build_at(commit: str, root: Path):
+def build_at(commit: str, root: Path, source: str = "paged_attention.cpp", extra_cflags: tuple[str, ...] = ()):
+    """Builds csrc/`source` as it is at `commit` (with that commit's simd_math.h); (module, short sha)."""
     tmp = Path(tempfile.mkdtemp(prefix="forklm_ab_"))
-    for name in ("paged_attention.cpp", "simd_math.h"):
+    for name in (source, "simd_math.h"):
         text = subprocess.run(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=root, check=True,
                               capture_output=True, text=True).stdout
         (tmp / name).write_text(text)
     sha = subprocess.run(["git", "rev-parse", "--short", commit], cwd=root, check=True, capture_output=True,
                          text=True).stdout.strip()
-    return bg.load_cpu_extension(f"forklm_pa_ab_{sha}", tmp / "paged_attention.cpp"), sha
+    tag = "".join(c for c in "_".join(extra_cflags) if c.isalnum())[:24]
+    return bg.load_cpu_extension(f"forklm_ab_{Path(source).stem}_{sha}{tag}", tmp / source, extra_cflags), sha
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,34 @@ def test_block_weights_round_trip_the_gguf_values():
         bg.pack_q8_0(torch.zeros(2, 32, dtype=torch.int8), torch.full((2, 1), 0.1))
 
 
+def test_weight_rows_keep_their_minima():
+    """`rows` picks outputs from the grouped minima layout ([ceil(N/8), K/32, 8]) as from the others."""
+    b = random_blocks("q4_1", 45, 96, seed=11)
+    w = b.to_block_weights()
+    assert w.m.shape == (6, 3, 8) and w.m[5, :, 5:].eq(0).all()  # 45 outputs: the last group padded
+    ids = torch.tensor([44, 0, 9, 9, 31, 8, 17])
+    picked = w.rows(ids)
+    assert picked.m.shape == (1, 3, 8)
+    assert torch.equal(picked.dequantize(), b.dequantize()[ids])
+    x = torch.randn(3, 96)
+    assert torch.equal(bg.gemm(x, picked), bg.gemm(x, w)[:, ids])
+
+
+def test_threads_do_not_change_the_bits():
+    w = random_blocks("q4_1", 203, 160, seed=13).to_block_weights()
+    x = torch.randn(6, 160)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [bg.gemm(x, w), bg.gemm(x[:1], w)]
+        torch.set_num_threads(2)
+        two = [bg.gemm(x, w), bg.gemm(x[:1], w)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert torch.equal(one[0][:1], one[1])
+
+
 def test_bad_shapes_are_refused_by_name():
     w = random_blocks("q4_1", 8, 64, seed=1).to_block_weights()
     with pytest.raises(RuntimeError, match="block values"):

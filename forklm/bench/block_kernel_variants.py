@@ -36,6 +36,11 @@ def variants(choice: str = "one-row") -> dict[str, tuple[str, tuple[str, ...]]]:
     out = {}
     builds = [("avx2", ())] + ([("vnni", bg._VNNI_CFLAGS)] if bg.uses_vnni() else [])
     for build, flags in builds:
+        if choice == "tile-shape":
+            for rows, outs in ((4, 0), (8, 1), (12, 1), (16, 1)):
+                shape = (f"-DFORKLM_PAIRED_TILE_ROWS={rows}",) + ((f"-DFORKLM_PAIRED_TILE_OUTS={outs}",) if outs else ())
+                out[f"{build}_paired_{rows}x{outs or 'default'}"] = (f"forklm_bgv_{build}_pt{rows}x{outs}", (*flags, *shape))
+            continue
         if choice == "multi-row":
             for paired in (0, 1):
                 out[f"{build}_paired_rows_{paired}"] = (f"forklm_bgv_{build}_paired{paired}",
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=1, help="activation rows per product (a step's samples)")
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--variants", choices=("one-row", "multi-row"), default="one-row",
+    ap.add_argument("--variants", choices=("one-row", "multi-row", "tile-shape"), default="one-row",
                     help="which compile-time choice to compare (a lone row's tiles, or tiles of 2-4 rows)")
     ap.add_argument("--out", default="bench/results/block_kernel_variants_cpu.json")
     args = ap.parse_args(argv)

@@ -142,7 +142,9 @@ class BlockWeights:
     separate arrays (so 8 blocks' scales load at once).
 
     q4_1: qs uint8 [N, K/2] (per block of 32: value j in the low nibble of byte j, value j + 16 in
-          its high nibble, as GGUF stores it), d and m float16 [N, K/32]: w = d·q + m.
+          its high nibble, as GGUF stores it), d float16 [N, K/32] and m float16 [⌈N/8⌉, K/32, 8]
+          (groups of 8 outputs, block by block, their minima side by side, the last group padded with
+          zeros: the kernel sums Σ_b m·sx for 8 outputs at once): w = d·q + m.
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
     """
 
@@ -164,13 +166,14 @@ class BlockWeights:
         if self.kind == "q4_1":
             nib = self.qs.view(self.n, self.k // BLOCK, 16)
             q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
-            return q, self.d.float(), self.m.float()
+            return q, self.d.float(), unblock_minima(self.m, self.n).float()
         return self.qs, self.d.float(), None
 
     def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
         pick = lambda t: None if t is None else t.index_select(0, ids)
-        return BlockWeights(self.kind, pick(self.qs), pick(self.d), pick(self.m), int(ids.numel()), self.k)
+        m = None if self.m is None else block_minima(unblock_minima(self.m, self.n).index_select(0, ids))
+        return BlockWeights(self.kind, pick(self.qs), pick(self.d), m, int(ids.numel()), self.k)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block (`BlockQuantized.dequantize` of the unpacked values)."""
@@ -185,7 +188,21 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
     _check_k(k)
     qb = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
     qs = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    return BlockWeights("q4_1", qs, _exact_half(d, "d"), _exact_half(m, "m"), n, k)
+    return BlockWeights("q4_1", qs, _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
+
+
+def block_minima(m: torch.Tensor) -> torch.Tensor:
+    """float16 [N, nb] -> [⌈N/8⌉, nb, 8]: per group of 8 outputs, block by block, their 8 minima (the
+    last group padded with zeros)."""
+    n, nb = m.shape
+    padded = torch.zeros((n + 7) // 8 * 8, nb, dtype=m.dtype)
+    padded[:n] = m
+    return padded.view(-1, 8, nb).transpose(1, 2).contiguous()
+
+
+def unblock_minima(m: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `block_minima`: [⌈N/8⌉, nb, 8] -> [N, nb]."""
+    return m.transpose(1, 2).reshape(-1, m.shape[1])[:n]
 
 
 def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:

@@ -7,7 +7,7 @@
 //   Q8_0  w = d·q, q int8
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
-// and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ mw·sx for Q4_1), blocks summed in order.
+// and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`).
 //
 // Batch invariance: row t's result depends on row t alone (per-row activation scales; a row's
 // operations are the same whichever tile of rows it shares), so a sample's numbers never depend on
@@ -124,7 +124,8 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, co
 
 // Weights as three arrays per matrix (the file's blocks split so scales load 8 at a time):
 //   qs  uint8 [N, nb·16] (Q4_1: two values a byte) | int8 [N, K] (Q8_0)
-//   d   fp16 [N, nb]     m  fp16 [N, nb] (Q4_1 only)
+//   d   fp16 [N, nb]     m  fp16 [⌈N/8⌉, nb, 8] (Q4_1 only: per group of 8 outputs, block by block,
+//                        the 8 outputs' minima side by side; the last group padded with zeros)
 struct Weights {
   const uint8_t* qs;
   const uint16_t* d;
@@ -133,11 +134,18 @@ struct Weights {
   int64_t row_bytes;  // of qs
 };
 
+// A tile's activation rows. mt: the rows' Q4_1 minima terms for a chunk of outputs (`minima_terms`):
+// row j's term for output o at mt[j·mt_ld + o − mt_o0]; nullptr for Q8_0.
 struct Acts {
   const int8_t* q;  // [T, K]
   const float* d;   // [T, nb]
   const float* s;   // [T, nb]
   int64_t K, nb;
+  const float* mt = nullptr;
+  int64_t mt_ld = 0, mt_o0 = 0;
+
+  float minima_term(int j, int64_t o) const { return mt == nullptr ? 0.f : mt[j * mt_ld + o - mt_o0]; }
+  Acts rows_from(int64_t t) const { return Acts{q + t * K, d + t * nb, s + t * nb, K, nb, mt ? mt + t * mt_ld : nullptr, mt_ld, mt_o0}; }
 };
 
 inline void halves_to_float(const uint16_t* h, float* f, int64_t n) {
@@ -145,17 +153,6 @@ inline void halves_to_float(const uint16_t* h, float* f, int64_t n) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
   for (; i < n; ++i) f[i] = half_to_float(h[i]);
-}
-
-// Σ_b a[b]·b[b] in a fixed order (8 lanes, then the lanes summed, then the tail): the same for
-// every (output, row) pair whatever tile it is computed in.
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float r = hsum(acc);
-  for (; i < n; ++i) r = std::fma(a[i], b[i], r);
-  return r;
 }
 
 template <bool Q41>
@@ -217,42 +214,72 @@ inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int
   for (int64_t off = 0; off < count * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
   const char* scales = reinterpret_cast<const char*>(w.d + first * w.nb);
   for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
-  if (w.m != nullptr) {
-    const char* minima = reinterpret_cast<const char*>(w.m + first * w.nb);
-    for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(minima + off, _MM_HINT_T0);
+}
+
+// The Q4_1 minima terms mt[t, o − o0] = Σ_b m[b, o]·sx[t, b] for outputs [o0, o1) and T rows: one
+// FMA chain over the blocks in order per (output, row), a group of 8 outputs to a vector (the same
+// chain in the scalar path for a group's part), so a row's term never depends on the other rows, on
+// the tile that reads it or on where a thread's outputs begin.
+// m: fp16 [⌈N/8⌉, nb, 8] (`Weights`); sx [T, nb]; mt [T, o1 − o0].
+void minima_terms(const uint16_t* m, int64_t o0, int64_t o1, const float* sx, int64_t T, int64_t nb, float* mt) {
+  const int64_t width = o1 - o0;
+  const auto group8 = [&](int64_t b, int64_t o) {  // o a multiple of 8
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + ((o >> 3) * nb + b) * 8)));
+  };
+  const auto one = [&](const float* sxt, int64_t o) {
+    float r = 0.f;
+    for (int64_t b = 0; b < nb; ++b) r = std::fma(half_to_float(m[((o >> 3) * nb + b) * 8 + (o & 7)]), sxt[b], r);
+    return r;
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* sxt = sx + t * nb;
+    float* out = mt + t * width;
+    int64_t o = o0;
+    for (; o < o1 && (o & 7) != 0; ++o) out[o - o0] = one(sxt, o);
+    for (; o + 32 <= o1; o += 32) {  // four independent chains in flight
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256 s = _mm256_set1_ps(sxt[b]);
+        a0 = _mm256_fmadd_ps(group8(b, o), s, a0);
+        a1 = _mm256_fmadd_ps(group8(b, o + 8), s, a1);
+        a2 = _mm256_fmadd_ps(group8(b, o + 16), s, a2);
+        a3 = _mm256_fmadd_ps(group8(b, o + 24), s, a3);
+      }
+      _mm256_storeu_ps(out + o - o0, a0);
+      _mm256_storeu_ps(out + o - o0 + 8, a1);
+      _mm256_storeu_ps(out + o - o0 + 16, a2);
+      _mm256_storeu_ps(out + o - o0 + 24, a3);
+    }
+    for (; o + 8 <= o1; o += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) acc = _mm256_fmadd_ps(group8(b, o), _mm256_set1_ps(sxt[b]), acc);
+      _mm256_storeu_ps(out + o - o0, acc);
+    }
+    for (; o < o1; ++o) out[o - o0] = one(sxt, o);
   }
 }
 
-// Σ_b h[b]·f[b] for float16 h, in `dot`'s order (8 lanes, their sum, then the tail): a Q4_1 output's
-// minima times a row's sx, the same bits as `dot` over the minima converted first.
-inline float half_dot(const uint16_t* h, const float* f, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= n; b += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b))),
-                          _mm256_loadu_ps(f + b), acc);
-  float r = hsum(acc);
-  for (; b < n; ++b) r = std::fma(half_to_float(h[b]), f[b], r);
-  return r;
+// The minima of outputs [o0, o1) into cache (the groups holding them are contiguous).
+inline void prefetch_minima(const uint16_t* m, int64_t nb, int64_t o0, int64_t o1) {
+  if (o0 >= o1) return;
+  const char* first = reinterpret_cast<const char*>(m + (o0 >> 3) * nb * 8);
+  const char* end = reinterpret_cast<const char*>(m + ((o1 + 7) >> 3) * nb * 8);
+  for (const char* p = first; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-// y[j·N + o + i] for i < TO outputs, j < TN activation rows. scratch: >= TO·(TN + 2)·nb floats.
+// y[j·N + o + i] for i < TO outputs, j < TN activation rows. scratch: >= TO·(TN + 1)·nb floats.
 template <bool Q41, int TO, int TN>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
   float* dw = scratch;                 // [TO, nb]
-  float* mw = dw + TO * nb;            // [TO, nb]
-  float* sc = mw + TO * nb;            // [TO, TN, nb]: dw·dx per block
-  float mt[TO][TN];                    // Σ_b mw·sx
+  float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
   prefetch_outputs(w, o + 2 * TO, TO, N);
   for (int i = 0; i < TO; ++i) {
     halves_to_float(w.d + (o + i) * nb, dw + i * nb, nb);
-    if constexpr (Q41) halves_to_float(w.m + (o + i) * nb, mw + i * nb, nb);
     for (int j = 0; j < TN; ++j) {
       float* s = sc + (i * TN + j) * nb;
       const float* dxj = x.d + j * nb;
       for (int64_t b = 0; b < nb; ++b) s[b] = dw[i * nb + b] * dxj[b];
-      mt[i][j] = Q41 ? dot(mw + i * nb, x.s + j * nb, nb) : 0.f;
     }
   }
   __m256 acc[TO][TN];
@@ -298,7 +325,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
     }
   }
   for (int i = 0; i < TO; ++i)
-    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + mt[i][j];
+    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + x.minima_term(j, o + i);
 }
 
 // Rows of activations as `paired_tile` reads them, prepared once per call: for blocks b, b+1 of each
@@ -319,9 +346,6 @@ template <int TO, int TN>
 void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& xp, float* y, int64_t N) {
   const int64_t nb = w.nb, pairs = nb / 2;
   prefetch_outputs(w, o + 2 * TO, TO, N);
-  float mt[TO][TN];  // Σ_b mw·sx
-  for (int i = 0; i < TO; ++i)
-    for (int j = 0; j < TN; ++j) mt[i][j] = half_dot(w.m + (o + i) * nb, x.s + j * nb, nb);
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -362,7 +386,7 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
     }
   }
   for (int i = 0; i < TO; ++i)
-    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + mt[i][j];
+    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + x.minima_term(j, o + i);
 }
 
 // Outputs [o0, o1) for TN rows: TO outputs at a time, the remainder one by one.
@@ -394,16 +418,20 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
   const int64_t nb = w.nb;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  float group_terms[8];  // without x.mt: the minima terms of o's group of 8 outputs, formed on entering it
+  int64_t group = o0;
   for (int64_t o = o0; o < o1; ++o) {
+    if (x.mt == nullptr && (o == o0 || (o & 7) == 0)) {
+      group = o;
+      prefetch_minima(w.m, nb, std::min(o1, (o | 7) + 17), std::min(o1, (o | 7) + 25));  // two groups ahead
+      minima_terms(w.m, o, std::min(o1, (o | 7) + 1), x.s, 1, nb, group_terms);
+    }
     if (o + 3 <= N) {  // the weights two outputs ahead into cache, as `tile`
       const char* values = reinterpret_cast<const char*>(w.qs + (o + 2) * w.row_bytes);
       for (int64_t off = 0; off < w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w.d + (o + 2) * nb), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w.m + (o + 2) * nb), _MM_HINT_T0);
     }
     const uint16_t* dw = w.d + o * nb;
-    const uint16_t* mw = w.m + o * nb;
-    const float mt = half_dot(mw, x.s, nb);  // Σ_b mw·sx
     __m256 acc = _mm256_setzero_ps();
     const uint8_t* qs = w.qs + o * w.row_bytes;
     int64_t b = 0;
@@ -424,7 +452,7 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
       const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(load_weights<true>(w, o, b), xv));
       acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(dw[b]) * x.d[b]), p, acc);
     }
-    y[o] = hsum(acc) + mt;
+    y[o] = hsum(acc) + (x.mt == nullptr ? group_terms[o - group] : x.minima_term(0, o));
   }
 }
 
@@ -459,10 +487,17 @@ constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while t
 #ifndef FORKLM_ONE_ROW_TILE_OUTS
 #define FORKLM_ONE_ROW_TILE_OUTS 1
 #endif
+// `paired_tile`'s widest tile: rows (4 or 8) and outputs per tile, run before the 4-row tiles.
+#ifndef FORKLM_PAIRED_TILE_ROWS
+#define FORKLM_PAIRED_TILE_ROWS 4
+#endif
+#ifndef FORKLM_PAIRED_TILE_OUTS
+#define FORKLM_PAIRED_TILE_OUTS FORKLM_ROW_TILE_OUTS
+#endif
 constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
-// floats of scratch per block that `tile` needs (TO·(TN + 2)) for the largest tile `gemm` runs
+// floats of scratch per block that `tile` needs (TO·(TN + 1)) for the largest tile `gemm` runs
 constexpr int64_t SCRATCH_PER_BLOCK =
-    cmax(cmax(FORKLM_ROW_TILE_OUTS * 6, FORKLM_ONE_ROW_TILE_OUTS * 3), cmax(2 * 5, 4 * 4));
+    cmax(cmax(FORKLM_ROW_TILE_OUTS * 5, FORKLM_ONE_ROW_TILE_OUTS * 2), cmax(2 * 4, 4 * 3));
 
 template <bool Q41>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
@@ -483,8 +518,9 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                   d.size(1) == nb,
               "block scales d must be contiguous float16 [N, K/32]");
   if (Q41)
-    TORCH_CHECK(m.dim() == 2 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() && m.size(0) == n &&
-                m.size(1) == nb, "block minima m must be contiguous float16 [N, K/32]");
+    TORCH_CHECK(m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() &&
+                m.size(0) == (n + 7) / 8 && m.size(1) == nb && m.size(2) == 8,
+                "block minima m must be contiguous float16 [ceil(N/8), K/32, 8] (groups of 8 outputs)");
   torch::Tensor nw;
   if (mode == RMSNORM) {
     TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
@@ -524,26 +560,43 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       for (int64_t pr = 0; pr < pairs; ++pr)
         for (int k = 0; k < 8; ++k) dx_spread[(t * pairs + pr) * 8 + k] = dx[t * nb + 2 * pr + k / 4];
   }
-  at::parallel_for(0, n, 16, [&](int64_t a, int64_t z) {
-    std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 2)·nb floats at most
+  // the minima terms of a chunk's outputs for all rows, before its tiles; a lone row's are formed by
+  // one_row_q4_1 group by group as it goes (the chunk pass made a step's products at one row 6-10%
+  // slower than the per-output minima dots before it; group by group they measure the same)
+  const bool chunk_minima = Q41 && !(T == 1 && FORKLM_ONE_ROW_DIRECT);
+  // threads split the outputs at multiples of 8 (the minima's groups; any split gives the same bits)
+  at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
+    const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
+    std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
+    std::vector<float> minima(Q41 ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
+      if (chunk_minima) {
+#ifndef FORKLM_PREFETCH_MINIMA
+#define FORKLM_PREFETCH_MINIMA 1
+#endif
+        if (FORKLM_PREFETCH_MINIMA > 0)
+          prefetch_minima(w.m, nb, std::min(z, c0 + FORKLM_PREFETCH_MINIMA * ROWS_PER_CHUNK),
+                          std::min(z, c1 + FORKLM_PREFETCH_MINIMA * ROWS_PER_CHUNK));
+        minima_terms(w.m, c0, c1, sx, T, nb, minima.data());
+      }
+      const Acts all{qx, dx, sx, K, nb, chunk_minima ? minima.data() : nullptr, c1 - c0, c0};
+      const auto pairs_from = [&](int64_t t) { return PairedActs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8}; };
       int64_t t = 0;
       if (paired_rows) {
+        if constexpr (FORKLM_PAIRED_TILE_ROWS != 4)
+          for (; t + FORKLM_PAIRED_TILE_ROWS <= T; t += FORKLM_PAIRED_TILE_ROWS)
+            paired_tile_rows<FORKLM_PAIRED_TILE_OUTS, FORKLM_PAIRED_TILE_ROWS>(w, c0, c1, all.rows_from(t), pairs_from(t),
+                                                                               yp + t * n, n);
         for (; t + 4 <= T; t += 4)
-          paired_tile_rows<FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, Acts{qx + t * K, dx + t * nb, sx + t * nb, K, nb},
-                                                    PairedActs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8},
-                                                    yp + t * n, n);
-        const Acts rest{qx + t * K, dx + t * nb, sx + t * nb, K, nb};
-        const PairedActs rest_pairs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8};
-        if (T - t == 3) paired_tile_rows<2, 3>(w, c0, c1, rest, rest_pairs, yp + t * n, n);
-        if (T - t == 2) paired_tile_rows<4, 2>(w, c0, c1, rest, rest_pairs, yp + t * n, n);
+          paired_tile_rows<FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
+        if (T - t == 3) paired_tile_rows<2, 3>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
+        if (T - t == 2) paired_tile_rows<4, 2>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
         if (T - t >= 2) t = T;
       }
       for (; t + 4 <= T; t += 4)
-        tile_rows<Q41, FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, Acts{qx + t * K, dx + t * nb, sx + t * nb, K, nb}, yp + t * n, n,
-                                                scratch.data());
-      const Acts rest{qx + t * K, dx + t * nb, sx + t * nb, K, nb};
+        tile_rows<Q41, FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+      const Acts rest = all.rows_from(t);
       switch (T - t) {
         case 3: tile_rows<Q41, 2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
         case 2: tile_rows<Q41, 4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
@@ -587,7 +640,7 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x_in) {
 
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d, m fp16 [N, K/32])");
+  m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])");
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])");
   m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])");
 }
