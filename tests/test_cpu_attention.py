@@ -50,6 +50,8 @@ def random_items(rng: random.Random, num_rows: int, num_blocks: int, bs: int, sh
         (5, 2, 4, 16, 8, 5, 30, 16, False),  # head dim 16, 4 query heads per KV head
         (3, 1, 7, 128, 4, 9, 13, 8, True),  # MQA, head dim 128, tiny blocks
         (6, 4, 1, 32, 16, 3, 70, 48, False),  # MHA (one query head per KV head)
+        (11, 3, 3, 64, 16, 8, 20, 64, True),  # 33 query vectors a KV head: row tiles 6 x 5 + 3
+        (29, 2, 1, 32, 16, 4, 10, 64, False),  # 29: row tiles 6 x 4 + 4 + 1
     ],
 )
 def test_kernel_matches_reference(num_rows, g, p, D, bs, shared, tail, chunk, adjacent):
