@@ -568,16 +568,11 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
     const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
     std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
-    std::vector<float> minima(Q41 ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
+    std::vector<float> minima(chunk_minima ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       if (chunk_minima) {
-#ifndef FORKLM_PREFETCH_MINIMA
-#define FORKLM_PREFETCH_MINIMA 1
-#endif
-        if (FORKLM_PREFETCH_MINIMA > 0)
-          prefetch_minima(w.m, nb, std::min(z, c0 + FORKLM_PREFETCH_MINIMA * ROWS_PER_CHUNK),
-                          std::min(z, c1 + FORKLM_PREFETCH_MINIMA * ROWS_PER_CHUNK));
+        prefetch_minima(w.m, nb, c1, std::min(z, c1 + ROWS_PER_CHUNK));  // the next chunk's
         minima_terms(w.m, c0, c1, sx, T, nb, minima.data());
       }
       const Acts all{qx, dx, sx, K, nb, chunk_minima ? minima.data() : nullptr, c1 - c0, c0};

@@ -184,14 +184,10 @@ inline const float* widen_piece(const Fp16* vp, int64_t n, int64_t D, std::vecto
 
 // Row tiles of 6 (12 accumulators, the two loaded vectors and a broadcast: 15 of AVX2's 16
 // registers), then 4, 3, 2 or 1 for the rest. Each row's sums run in the same order in any tile.
-#ifndef FORKLM_ATTENTION_TILE_ROWS
-#define FORKLM_ATTENTION_TILE_ROWS 6
-#endif
 template <typename F6, typename F4, typename F3, typename F2, typename F1>
 inline void by_rows(int64_t M, F6 f6, F4 f4, F3 f3, F2 f2, F1 f1) {
   int64_t m = 0;
-  if constexpr (FORKLM_ATTENTION_TILE_ROWS == 6)
-    for (; m + 6 <= M; m += 6) f6(m);
+  for (; m + 6 <= M; m += 6) f6(m);
   for (; m + 4 <= M; m += 4) f4(m);
   switch (M - m) {
     case 3: f3(m); break;
