@@ -15,6 +15,7 @@ from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
 from forklm.models.quant import (
     BlockQuantized,
+    GGMLWeights,
     float32_for_block_kernel,
     resolve_quantize,
 )
@@ -133,7 +134,7 @@ class LLM:
             tokenizer, source = None, model
         else:
             config, weights, tokenizer, source = load_model_files(model, keep_quantized=asked == "gguf")
-        has_blocks = any(isinstance(w, BlockQuantized) for w in weights.values())
+        has_blocks = any(isinstance(w, (BlockQuantized, GGMLWeights)) for w in weights.values())
         self.quantize = resolve_quantize(quantize, self.dtype, self.device, has_gguf_blocks=has_blocks)
         if (dtype is None or dtype == "auto") and float32_for_block_kernel(self.quantize, self.device, has_blocks):
             self.dtype = torch.float32  # the block kernel's activations (its dense copies: block_dense_dtype)

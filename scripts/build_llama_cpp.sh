@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-batched-bench` (the peer of `forklm bench --llama-cpp`) from the sources
+# Builds llama.cpp's `llama-batched-bench` (the peer of `forklm bench --llama-cpp`) and
+# `llama-quantize` (the presets the benchmark compares on) from the sources
 # vendored in the pinned llama-cpp-python sdist, into .cache/llama.cpp/ (ignored by git).
 # CPU only: Release, -march=native (GGML_NATIVE), no CUDA, no curl/OpenSSL, static libraries.
 # Idempotent: does nothing when the binary exists. Prints the binary's path on stdout.
@@ -28,7 +29,7 @@ case "$ISA" in
 esac
 BIN="$BUILD/bin/llama-batched-bench"
 
-if [ -x "$BIN" ]; then
+if [ -x "$BIN" ] && [ -x "$BUILD/bin/llama-quantize" ]; then
     echo "$BIN"
     exit 0
 fi
@@ -60,6 +61,6 @@ nice cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
     -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON \
     ${COMMIT:+-DLLAMA_BUILD_COMMIT="$COMMIT"} >&2
-echo "building llama-batched-bench (10+ minutes on 2 cores)" >&2
-nice cmake --build "$BUILD" --target llama-batched-bench -j "${JOBS:-$(nproc)}" >&2
+echo "building llama-batched-bench and llama-quantize (10+ minutes on 2 cores)" >&2
+nice cmake --build "$BUILD" --target llama-batched-bench llama-quantize -j "${JOBS:-$(nproc)}" >&2
 echo "$BIN"

@@ -122,9 +122,21 @@ def test_bad_shapes_are_refused_by_name():
     assert bg.gemm(torch.randn(0, 64), w).shape == (0, 8)
 
 
-def test_block_linear_switches_to_the_dense_copy_above_max_rows():
+def test_block_linear_runs_the_kernel_at_every_row_count_and_keeps_no_dense_copy():
     b = random_blocks("q4_1", 64, 128, seed=5)
-    lin = BlockLinear(b.to_block_weights(), torch.float32, max_rows=4)
+    lin = BlockLinear(b.to_block_weights(), torch.float32)
+    assert lin.dense is None and lin.num_bytes() == lin.blocks.num_bytes()
+    x = torch.randn(300, 128)
+    full = lin(x)
+    assert torch.equal(full, bg.gemm(x, lin.blocks))
+    for i in (0, 7, 299):  # a row's result is the same bits alone as among 300
+        assert torch.equal(lin(x[i:i + 1])[0], full[i])
+
+
+def test_block_linear_with_a_dense_copy_switches_above_max_rows():
+    """The opt-in dense copy (no GGUF file's default path keeps one)."""
+    b = random_blocks("q4_1", 64, 128, seed=5)
+    lin = BlockLinear(b.to_block_weights(), torch.float32, max_rows=4, keep_dense=True)
     assert torch.equal(lin.dense, b.dequantize())
     x = torch.randn(6, 128)
     assert torch.equal(lin(x[:4]), bg.gemm(x[:4], lin.blocks))  # kernel
@@ -143,15 +155,13 @@ def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_
     m, ref = llm.model, smollm2_f32.model
     assert quant.block_kernel_available()
     assert m.layers[0]["qkv"].kind == "q4_1" and m.lm_head.kind == "q8_0"
-    assert m.embed is m.lm_head.dense and m.embed.dtype == quant.block_dense_dtype()
+    assert m.embed is None and m.lm_head.dense is None  # weights resident once: no dense copies
     want = ref.layers[5]["gate_up"]
     want = want.t() if ref.weight_layout == "in_out" else want
-    # the dense copies: the file's values exactly (rounded once where the copy is bfloat16)
-    assert torch.equal(m.layers[5]["gate_up"].dense, want.to(quant.block_dense_dtype()))
-    assert torch.equal(m.embed, ref.embed.to(m.embed.dtype))
+    assert torch.equal(m.layers[5]["gate_up"].dequantize(), want)  # the file's values exactly
     ids = torch.randint(0, ref.embed.shape[0], (37,))
-    rows = m.embed[ids] if m._embed_rows is None else m._embed_rows(ids)  # what forward looks up
-    assert rows.dtype == torch.float32 and torch.equal(rows, ref.embed[ids])  # exact either way
+    rows = m._embed_rows(ids)  # what forward looks up: rows of the head's Q8_0 blocks
+    assert rows.dtype == torch.float32 and torch.equal(rows, ref.embed[ids])  # exact
     ids = torch.tensor(smollm2_f32.tokenizer.encode("The capital of France is Paris. The capital of Germany is"))
     ref_prefill, ref_steps = model_logits(ref, ids[:-4], ids[-4:])
     prefill, steps = model_logits(m, ids[:-4], ids[-4:])
@@ -220,12 +230,13 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     bound = (b.d / 2 + (b.m - lo).abs() + 1e-6).repeat_interleave(32, dim=1)
     assert ((deq - w).abs() <= bound).all()  # each value within half a step (and m's float16 rounding)
     lin = quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.float32)
-    assert isinstance(lin, BlockLinear) and lin.kind == "q4_1" and torch.equal(lin.dense, deq.to(quant.block_dense_dtype()))
+    assert isinstance(lin, BlockLinear) and lin.kind == "q4_1" and lin.dense is None
+    assert torch.equal(lin.dequantize(), deq)
     x = torch.randn(5, 96)
     assert rel_err(lin(x), bg.gemm_reference(x, lin.blocks)) < 1e-5
-    many = torch.randn(lin.max_rows + 3, 96)  # above max_rows: the dense copy, float32 rows in and out
+    many = torch.randn(200, 96)  # many rows: still the kernel, float32 rows in and out
     y = lin(many)
-    assert y.dtype == torch.float32 and rel_err(y, many @ deq.t()) < (1e-2 if lin.dense.dtype == torch.bfloat16 else 1e-6)
+    assert y.dtype == torch.float32 and rel_err(y, bg.gemm_reference(many, lin.blocks)) < 1e-5
     # bfloat16 models keep PyTorch's int4 kernel
     assert quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.bfloat16).kind == "int4"
 
@@ -313,7 +324,7 @@ def test_auto_dtype_is_float32_where_the_weights_run_on_the_block_kernel(smollm2
     assert not quant.float32_for_block_kernel("int8", cpu, False) and not quant.float32_for_block_kernel(None, cpu, True)
     llm = LLM("smollm2-135m", device="cpu")
     assert llm.dtype == torch.float32 and llm.quantize == "gguf"
-    assert llm.model.layers[0]["qkv"].dense.dtype == quant.block_dense_dtype()
+    assert llm.model.layers[0]["qkv"].dense is None
     dense = LLM("smollm2-135m", device="cpu", quantize=None)  # no blocks: the device rule
     assert dense.dtype == resolve_dtype("auto", cpu)
     assert LLM("smollm2-135m", device="cpu", dtype="bfloat16").dtype == torch.bfloat16  # asked for: kept

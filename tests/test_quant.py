@@ -13,6 +13,7 @@ from forklm.models.hf_loader import load_hf_weights
 from forklm.models.llama import LlamaModel
 from forklm.models.quant import (
     BlockQuantized,
+    GGMLWeights,
     QuantizedLinear,
     int4_from_float,
     int8_from_float,
@@ -116,9 +117,10 @@ def test_gguf_blocks_dequantize_to_the_float_loader_bit_for_bit(smollm2_blocks):
     _, blocks, floats = smollm2_blocks
     kinds = {}
     for name, w in blocks.items():
-        if isinstance(w, BlockQuantized):
+        if isinstance(w, GGMLWeights):  # the file's bytes, q/k rows un-permuted by the recorded order
             kinds[w.kind] = kinds.get(w.kind, 0) + 1
-            assert torch.equal(w.dequantize(), floats[name]), name  # q/k rows un-permuted on the blocks
+            assert torch.equal(w.dequantize(), floats[name]), name
+            assert torch.equal(quant.stored_block_quantized(w).dequantize(), floats[name]), name
         else:
             assert torch.equal(w, floats[name]), name
     assert kinds == {"q4_1": 210, "q8_0": 1}
@@ -127,7 +129,7 @@ def test_gguf_blocks_dequantize_to_the_float_loader_bit_for_bit(smollm2_blocks):
 def test_q4_1_as_int4_keeps_the_stored_values(smollm2_blocks):
     _, blocks, floats = smollm2_blocks
     name = "model.layers.3.self_attn.k_proj.weight"  # un-permuted rows
-    b = blocks[name]
+    b = quant.stored_block_quantized(blocks[name])
     exact = quant.int4_from_q4_1(b, torch.float32)
     assert torch.equal(exact.dequantize(), floats[name])  # no lossy round trip with float32 scales
     assert torch.equal(quant.unpack_int4(exact.qweight, *b.shape), b.q)
@@ -136,7 +138,8 @@ def test_q4_1_as_int4_keeps_the_stored_values(smollm2_blocks):
     bf = quant.int4_from_q4_1(b, torch.bfloat16)  # bfloat16 activations need bfloat16 scales
     assert torch.equal(quant.unpack_int4(bf.qweight, *b.shape), b.q)
     assert rel_err(bf.dequantize(), floats[name]) < 4e-3
-    fused = BlockQuantized.cat([blocks["model.layers.0.mlp.gate_proj.weight"], blocks["model.layers.0.mlp.up_proj.weight"]])
+    fused = BlockQuantized.cat([quant.stored_block_quantized(blocks["model.layers.0.mlp.gate_proj.weight"]),
+                                quant.stored_block_quantized(blocks["model.layers.0.mlp.up_proj.weight"])])
     assert torch.equal(fused.dequantize(), torch.cat([floats["model.layers.0.mlp.gate_proj.weight"],
                                                       floats["model.layers.0.mlp.up_proj.weight"]]))
 
@@ -170,9 +173,11 @@ def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, to
     assert isinstance(model.layers[0]["qkv"], QuantizedLinear) and isinstance(model.lm_head, QuantizedLinear)
     on_block_kernel = how == "int4" and dtype == torch.float32 and quant.block_kernel_available()  # Q4_1 blocks
     kernel_dtype = torch.float32 if on_block_kernel else torch.bfloat16
-    dense_dtype = quant.block_dense_dtype() if on_block_kernel else dtype  # bfloat16 where it is native
-    assert model.layers[0]["qkv"].dense.dtype == dense_dtype and model.layers[0]["qkv"].dtype == kernel_dtype
-    prefill, steps = model_logits(model, prompt, decode)  # prompt rows: dense copies; steps: the kernels
+    if on_block_kernel:  # every row count on the kernel, no dense copy
+        assert model.layers[0]["qkv"].dense is None and model.layers[0]["qkv"].dtype == kernel_dtype
+    else:
+        assert model.layers[0]["qkv"].dense.dtype == dtype and model.layers[0]["qkv"].dtype == kernel_dtype
+    prefill, steps = model_logits(model, prompt, decode)
     assert prefill.dtype == steps.dtype == torch.float32
     assert rel_err(prefill, ref[:34]) < tol
     assert rel_err(steps, ref[34:]) < tol
@@ -180,7 +185,7 @@ def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, to
     held = model.num_weight_bytes()
     if dtype == torch.bfloat16:  # kernels: packed weights + scales + the dense copy (a float32 dense
         assert held > dense.num_weight_bytes()  # tied model also holds its LM head transposed: not compared)
-    packed = sum(t.num_bytes() - t.dense.numel() * t.dense.element_size() for lay in model.layers
+    packed = sum(sum(u.numel() * u.element_size() for u in t.kernel_tensors()) for lay in model.layers
                  for t in lay.values() if isinstance(t, QuantizedLinear))
     assert packed > 0
 
@@ -242,18 +247,18 @@ def test_smollm2_gguf_as_stored(smollm2_gguf, smollm2_f32):
 
     llm = LLM("smollm2-135m", dtype="bfloat16", device="cpu", quantize="auto")
     assert llm.quantize == "gguf"
-    m = llm.model
-    assert m.layers[0]["qkv"].kind == "int4" and m.lm_head.kind == "int8"
+    m = llm.model  # a bfloat16 model: the same blocks and kernels, activations widened for them
+    assert m.layers[0]["qkv"].kind == "q4_1" and m.lm_head.kind == "q8_0" and m.lm_head.dense is None
     ids = torch.tensor(smollm2_f32.tokenizer.encode("The capital of France is Paris. The capital of Germany is"))
     ref_prefill, ref_steps = model_logits(smollm2_f32.model, ids[:-4], ids[-4:])
     prefill, steps = model_logits(m, ids[:-4], ids[-4:])
-    assert rel_err(prefill, ref_prefill) < 0.08  # prompt rows: dense copies
-    assert rel_err(steps, ref_steps) < 0.08  # one row a step: the kernels
+    assert rel_err(prefill, ref_prefill) < 0.08
+    assert rel_err(steps, ref_steps) < 0.08
     f32_gguf = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
     assert f32_gguf.quantize == "gguf"  # float32 models too (forklm's block kernel on AVX2 CPUs: test_block_gemm.py)
     held, ref = f32_gguf.model.layers[5]["gate_up"], smollm2_f32.model.layers[5]["gate_up"]
     ref = ref.t() if smollm2_f32.model.weight_layout == "in_out" else ref
-    assert rel_err(held.dense, ref) < 5e-3  # the file's blocks (exact with the block kernel; else scales in bfloat16)
+    assert torch.equal(held.dequantize(), ref)  # the file's blocks, exactly
     prefill, steps = model_logits(f32_gguf.model, ids[:-4], ids[-4:])
     assert rel_err(prefill, ref_prefill) < 0.08 and rel_err(steps, ref_steps) < 0.08
 

@@ -40,9 +40,10 @@ _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     """Reads a GGUF file into (config, float32 weights under Hugging Face names, tokenizer).
 
-    keep_quantized: Q4_1 and Q8_0 matrices come back as their blocks (`forklm.models.quant.
-    BlockQuantized`, rows in HF order, `.dequantize()` equal to the float path bit for bit) instead
-    of float32; other types are dequantized as before."""
+    keep_quantized: every matrix stored in a type forklm runs as stored (quantized blocks, F16, BF16)
+    comes back as the file's bytes (`forklm.kernels.ggml_gemm.GGMLWeights`, a view of the memory-
+    mapped file; the q/k rope permutation recorded as a row order, not applied) instead of float32;
+    1-D tensors and F32 matrices are float32 as before."""
     import gguf  # imported here: only GGUF loading needs it
 
     path = Path(path)
@@ -87,8 +88,8 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConf
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             if isinstance(w, torch.Tensor):
                 w = _unpermute(w, heads)
-            else:  # the same row permutation on the stored blocks
-                w = w.rows(_unpermute(torch.arange(shape[0]), heads))
+            else:  # the same permutation recorded: Hugging Face row i is stored row order[i]
+                w.row_order = _unpermute(torch.arange(shape[0]), heads)
         weights[hf_name] = w
     del reader, infos
     missing = [n for n in expected if n not in weights]
@@ -127,13 +128,21 @@ def _dequantize(info: Any, path: Path) -> torch.Tensor:
 
 
 def _blocks(info: Any, shape: tuple[int, ...]) -> Any:
-    """A Q4_1 / Q8_0 matrix as its blocks (BlockQuantized), or None for any other tensor."""
-    from forklm.models.quant import read_gguf_blocks
+    """A matrix of a type forklm runs as stored, as the file's bytes (GGMLWeights over the memory-
+    mapped file, no copy), or None (1-D tensors, F32 and F64 matrices: read as float32). A type
+    forklm has no kernel for is refused by name when the model places it (quant.stored_matrix)."""
+    import warnings
+
+    from forklm.kernels.ggml_gemm import GGMLWeights
 
     kind = info.tensor_type.name
-    if kind not in ("Q4_1", "Q8_0") or len(shape) != 2 or shape[1] % 32:
+    if len(shape) != 2 or kind in ("F32", "F64"):
         return None
-    return read_gguf_blocks(kind, info.data, shape)
+    raw = np.asarray(info.data).view(np.uint8).reshape(shape[0], -1)
+    with warnings.catch_warnings():  # the file is mapped read-only; forklm never writes to weights
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(raw)
+    return GGMLWeights(data, kind, shape[0], shape[1])
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from forklm.errors import ModelFileError, UnsupportedModelError
 from forklm.models.quant import (
     BlockLinear,
     BlockQuantized,
+    GGMLWeights,
     QuantizedLinear,
     build_matrix,
     head_format,
@@ -141,7 +142,7 @@ class LlamaModel:
 
         def take(name: str) -> torch.Tensor:
             w = raw(name)
-            if isinstance(w, BlockQuantized):  # GGUF blocks not kept: the float loader's values exactly
+            if isinstance(w, (BlockQuantized, GGMLWeights)):  # not kept: the float loader's values exactly
                 w = w.dequantize()
             return w.to(device=device, dtype=dtype)
 
@@ -170,19 +171,28 @@ class LlamaModel:
 
         tied = not ("lm_head.weight" in weights and not c.tie_word_embeddings)
         tied_head = None
-        self._embed_rows = None  # ids -> float32 rows, where the table is not the dense `embed` itself
+        self._embed_rows = None  # ids -> float32 rows, where the table is not a dense `embed`
+        self.embed: torch.Tensor | None = None  # [V, H], when the table is held dense
         if quantize is not None and tied:
-            # the table is the quantized head's weights (dequantized; the dense copy when kernels run)
+            # the table is the quantized head's weights: rows looked up in them (exact), or its dense copy
             tied_head = build_matrix([raw("model.embed_tokens.weight")], head_format(quantize), dtype, device)
-            self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
-            if isinstance(tied_head, BlockLinear) and self.embed is not None and self.embed.dtype != dtype:
-                self._embed_rows = tied_head.dequantize_rows  # a bfloat16 dense copy: look up exact rows
+            if isinstance(tied_head, QuantizedLinear) and tied_head.dense is None:
+                self._embed_rows = tied_head.dequantize_rows
+            else:
+                self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
+                if isinstance(tied_head, BlockLinear) and self.embed.dtype != dtype:
+                    self._embed_rows = tied_head.dequantize_rows  # a bfloat16 dense copy: look up exact rows
+            embed_shape = tuple(tied_head.shape)
+        elif quantize == "gguf" and isinstance(weights.get("model.embed_tokens.weight"), GGMLWeights):
+            table = raw("model.embed_tokens.weight")  # kept as stored; rows dequantized on lookup
+            self._embed_rows = table.dequantize_rows
+            embed_shape = table.shape
         else:
             self.embed = take("model.embed_tokens.weight")  # [V, H]
-        if self.embed.shape != (c.vocab_size, c.hidden_size):
+            embed_shape = tuple(self.embed.shape)
+        if embed_shape != (c.vocab_size, c.hidden_size):
             raise ModelFileError(
-                f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, "
-                f"config says {(c.vocab_size, c.hidden_size)}"
+                f"model.embed_tokens.weight has shape {embed_shape}, config says {(c.vocab_size, c.hidden_size)}"
             )
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for i in range(c.num_layers):
@@ -214,9 +224,10 @@ class LlamaModel:
         else:
             weights.pop("lm_head.weight", None)
             # tied: a transposed copy for "in_out", the table itself for "out_in"
-            self.lm_head = transposed(self.embed) if self.weight_layout == "in_out" else self.embed
             if isinstance(tied_head, QuantizedLinear):
                 self.lm_head = tied_head
+            else:
+                self.lm_head = transposed(self.embed) if self.weight_layout == "in_out" else self.embed
         self._decode_stack = None  # every layer in one C++ call (kernels/decode_stack.py), built on first use
         self._decode_stack_checked = False
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
@@ -233,7 +244,7 @@ class LlamaModel:
     def num_weight_bytes(self) -> int:
         """Bytes of all weight tensors held (the embedding table and, when tied, its transposed copy;
         a quantized weight's packed values, scales and dense copy)."""
-        tensors = [self.embed, self.norm, self.lm_head]
+        tensors = [t for t in (self.embed, self.norm, self.lm_head) if t is not None]
         tensors += [t for layer in self.layers for t in layer.values() if t is not None]
         tensors = [u for t in tensors for u in (t.tensors() if isinstance(t, QuantizedLinear) else [t])]
         unique = {t.data_ptr(): t for t in tensors}  # a tied lm_head may be the embedding itself
@@ -344,7 +355,7 @@ class LlamaModel:
         logits_rows: torch.Tensor | None = None,  # which of the T rows need logits; None: all
     ) -> torch.Tensor:  # [len(logits_rows) or T, V] float32
         T = input_ids.shape[0]
-        x = self.embed[input_ids] if self._embed_rows is None else self._embed_rows(input_ids)  # [T, H]
+        x = self.embed[input_ids] if self._embed_rows is None else self._embed_rows(input_ids).to(self.dtype)  # [T, H]
         cos, sin = self._rope(positions)
         # a decode step on the CPU kernel: rotary, K/V write and attention in one call per layer
         fused = getattr(attention, "fuses_rope", False) and x.dtype == torch.float32

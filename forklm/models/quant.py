@@ -26,13 +26,15 @@ dequantized at load and run dense (the accuracy of the quantized weights, no spe
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from forklm.errors import InvalidArgumentError
+from forklm.errors import InvalidArgumentError, UnsupportedModelError
+from forklm.kernels.ggml_gemm import GGMLWeights
 
 GROUP_SIZE = 32  # int4 group along `in`; GGUF Q4_1's block, and no slower than 64 on this CPU
 QUANTIZE_CHOICES = ("int8", "int4", "gguf", "auto")
@@ -114,6 +116,12 @@ def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.dev
         return None
     if q == "auto":
         if not kernels_pay_off(dtype, device) or not kernels_available():
+            return None
+        if has_gguf_blocks is not False and not block_kernel_available():
+            import warnings
+
+            warnings.warn("forklm: a GGUF file's blocks run on forklm's x86 kernels (AVX2, FMA, F16C), which do "
+                          "not run here; quantize='auto' loads it dequantized to float", RuntimeWarning, stacklevel=3)
             return None
         return "gguf" if has_gguf_blocks is not False else None
     if device.type != "cpu":
@@ -294,14 +302,14 @@ class BlockLinear(QuantizedLinear):
     steps of more than `max_rows` rows. The model's activations are float32 either way."""
 
     def __init__(self, blocks, dense_dtype: torch.dtype | None = None, max_rows: int | None = None,
-                 keep_dense: bool = True):
+                 keep_dense: bool = False):
         self.blocks = blocks  # forklm.kernels.block_gemm.BlockWeights
         self.kind = blocks.kind  # "q4_1" | "q8_0"
         self.out_features, self.in_features = blocks.n, blocks.k
         self.dtype = torch.float32  # the kernel's activations (and the model's)
         self.dense_dtype = dense_dtype or block_dense_dtype()
-        if max_rows is None:
-            max_rows = block_kernel_max_rows(blocks.n, self.dense_dtype)
+        if max_rows is None:  # with a dense copy: the measured crossover; without: every row count
+            max_rows = block_kernel_max_rows(blocks.n, self.dense_dtype) if keep_dense else sys.maxsize
         self.max_rows = max_rows
         self.dense = self.dequantize().to(self.dense_dtype) if keep_dense else None
 
@@ -331,6 +339,75 @@ class BlockLinear(QuantizedLinear):
 
     def kernel_tensors(self) -> list[torch.Tensor]:
         return self.blocks.tensors()
+
+
+class GGMLLinear(QuantizedLinear):
+    """y = x @ wᵀ (+ bias) with w [out, in] kept as a GGUF file's bytes (often the memory-mapped file
+    itself), run by ggml's own dot products (`forklm.kernels.ggml_gemm`) at every row count: no dense
+    copy, each row's result that row's alone. The parts of a fused matrix (q/k/v, gate/up) keep their
+    own types (a Q4_K_M file stores attn_v as Q6_K beside Q4_K q and k)."""
+
+    def __init__(self, parts: list[GGMLWeights]):
+        from forklm.kernels import ggml_gemm
+
+        if len({p.k for p in parts}) != 1:
+            raise ValueError("fused GGUF tensors must share in_features")
+        self.parts = parts
+        self.kind = "+".join(dict.fromkeys(p.kind for p in parts))
+        self.out_features, self.in_features = sum(p.n for p in parts), parts[0].k
+        self.dtype = self.dense_dtype = torch.float32  # the kernel's activations
+        self.max_rows = sys.maxsize
+        self.dense = None
+        self._gemm = ggml_gemm._extension().gemm_parts
+        self._args = ([p.data for p in parts], [p.type_id for p in parts], [p.output_columns() for p in parts],
+                      self.in_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm(x, *self._args)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.kernel(x if x.dtype == torch.float32 else x.float())
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: rows `ids` (an embedding lookup in the table the LM head reads)."""
+        if len(self.parts) != 1:
+            raise ValueError("row lookups are for a single (unfused) table")
+        return self.parts[0].dequantize_rows(ids)
+
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        return [p.data for p in self.parts]
+
+
+def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
+    """A GGUF Q4_1 / Q8_0 tensor's stored bytes as BlockQuantized (Hugging Face row order)."""
+    raw = w.stored_rows(torch.arange(w.n)) if w.row_order is not None else w.data
+    return read_gguf_blocks(w.type_name, raw.numpy(), (w.n, w.k))
+
+
+def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.device):
+    """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): Q4_1 or Q8_0
+    parts all of one type on forklm's block kernel (its layout, repacked once), any other mix on
+    ggml's kernels over the file's bytes. A type neither runs is refused by name, never densified."""
+    from forklm.kernels import ggml_gemm
+
+    kinds = {p.type_name for p in parts}
+    if len(kinds) == 1 and kinds <= {"Q4_1", "Q8_0"} and block_kernel_available():
+        blocks = [stored_block_quantized(p) for p in parts]
+        return BlockLinear((BlockQuantized.cat(blocks) if len(blocks) > 1 else blocks[0]).to_block_weights())
+    unknown = sorted(kinds - set(ggml_gemm.GGML_TYPE_IDS))
+    if unknown:
+        raise UnsupportedModelError(f"GGUF tensor type {unknown[0]} is not supported (forklm runs "
+                                    f"{', '.join(ggml_gemm.GGML_TYPE_IDS)})")
+    if not ggml_gemm.available():
+        raise UnsupportedModelError(
+            f"GGUF tensor type {sorted(kinds)[0]} runs on ggml's CPU kernels, which are not available here "
+            f"({ggml_gemm.build_error()}); load with quantize=None to run the file dequantized to float")
+    return GGMLLinear(parts)
 
 
 def _int4_values(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -447,7 +524,7 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
     """
     if isinstance(w, BlockQuantized):
         if how == "gguf" and _on_block_kernel(kw):
-            return BlockLinear(w.to_block_weights(), keep_dense=kw.get("keep_dense", True))
+            return BlockLinear(w.to_block_weights())
         if how == "gguf":
             if w.kind == "q4_1":
                 return int4_from_q4_1(w, dtype, **kw)
@@ -457,7 +534,7 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
         return int8_from_float(w, dtype, **kw)
     if how == "int4":
         if w.shape[1] % GROUP_SIZE == 0 and _on_block_kernel(kw):
-            return BlockLinear(q4_1_from_float(w).to_block_weights(), keep_dense=kw.get("keep_dense", True))
+            return BlockLinear(q4_1_from_float(w).to_block_weights())
         return int4_from_float(w, dtype, **kw)
     raise InvalidArgumentError(f"cannot quantize a float weight as {how!r}")
 
@@ -519,6 +596,10 @@ def build_matrix(parts: list, how: str, dtype: torch.dtype, device: torch.device
     a QuantizedLinear where `kernels_pay_off`, else a dense [out, in] tensor in `dtype` holding the
     quantized weights' values (for "gguf": the blocks' exact float values). With "gguf", float
     tensors of the file stay float (dense)."""
+    if any(isinstance(p, GGMLWeights) for p in parts):
+        if how == "gguf" and kernels_pay_off(dtype, device):
+            return stored_matrix(parts, dtype, device)
+        parts = [p.dequantize() if isinstance(p, GGMLWeights) else p for p in parts]
     if all(isinstance(p, BlockQuantized) for p in parts):
         w = BlockQuantized.cat(parts) if len(parts) > 1 else parts[0]
     else:

@@ -1,0 +1,129 @@
+"""ggml's CPU products on GGUF tensors kept as stored (forklm/kernels/ggml_gemm.py): every type's
+dequantization against the gguf package's numpy dequantization (an independent reference), every
+product against float64 math on those values, remainder shapes, and each row's result independent
+of the rows around it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from forklm.kernels import block_gemm, ggml_gemm
+
+pytestmark = pytest.mark.skipif(not block_gemm.cpu_supports(), reason="ggml's kernels need x86-64 with AVX2")
+
+# Byte offsets of each block's float16 scale fields (ggml-common.h's block structs), which random
+# bytes must not fill with NaN / inf; the rest of a block is any bit pattern.
+BLOCK_FP16_OFFSETS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
+}
+QUANT_TYPES = list(BLOCK_FP16_OFFSETS)
+FLOAT_TYPES = ["F32", "F16", "BF16"]
+# ‖gemm − float64 reference‖ / ‖reference‖ allowed per activation type ggml converts to: 8-bit
+# blocks (one scale per 32 or 256 values) vs float16 / bfloat16 roundings vs float32 itself.
+TOLERANCE = {"q8_0": 2e-2, "q8_1": 2e-2, "q8_K": 2e-2, "f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}
+
+
+def _require_ggml():
+    if not ggml_gemm.available():
+        pytest.fail(f"ggml's kernels did not build on an AVX2 CPU: {ggml_gemm.build_error()}")
+
+
+def random_rows(type_name: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [n, row_bytes]: n rows of k values of `type_name`, fresh random bits with sane scales."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name in FLOAT_TYPES:
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
+        vals = torch.randn(n, k, generator=gen).to(dtype)
+        return vals.view(torch.uint8).reshape(n, -1).contiguous()
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    nb = k // block
+    raw = torch.randint(0, 256, (n, nb, size), generator=gen, dtype=torch.uint8)
+    for off in BLOCK_FP16_OFFSETS[type_name]:
+        scale = (torch.rand(n, nb, generator=gen) * 0.02 + 0.001).to(torch.float16)
+        raw[:, :, off:off + 2] = scale.view(torch.uint8).view(n, nb, 2)
+    return raw.reshape(n, nb * size).contiguous()
+
+
+def gguf_dequantize(rows: torch.Tensor, type_name: str) -> torch.Tensor:
+    import gguf
+
+    return torch.from_numpy(np.ascontiguousarray(
+        gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType[type_name]), dtype=np.float32))
+
+
+def _k_for(type_name: str) -> list[int]:
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
+    act_block = 256 if type_name.endswith("_K") or type_name == "IQ4_XS" else 32
+    step = max(block, act_block)
+    return [step, 3 * step] if step == 256 else [step, 5 * step, 18 * step]
+
+
+@pytest.mark.parametrize("type_name", QUANT_TYPES + FLOAT_TYPES)
+def test_dequantize_matches_gguf_numpy(type_name):
+    _require_ggml()
+    gen = torch.Generator().manual_seed(hash(type_name) % 1000)
+    for k in _k_for(type_name):
+        rows = random_rows(type_name, 19, k, gen)
+        w = ggml_gemm.GGMLWeights(rows, type_name, 19, k)
+        got = w.dequantize()
+        want = gguf_dequantize(rows, type_name).reshape(19, k)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{type_name}, K={k}")
+        ids = torch.tensor([5, 0, 18, 5])
+        assert torch.equal(w.dequantize_rows(ids), want[ids])
+
+
+@pytest.mark.parametrize("type_name", QUANT_TYPES + FLOAT_TYPES)
+@pytest.mark.parametrize("T", [1, 3, 17, 70])  # activation tiles of 64: 70 has a remainder
+def test_gemm_against_float64(type_name, T):
+    _require_ggml()
+    gen = torch.Generator().manual_seed(T * 31 + len(type_name))
+    for k in _k_for(type_name)[:2]:
+        n = 37  # not a multiple of the 16-row tasks
+        rows = random_rows(type_name, n, k, gen)
+        w = ggml_gemm.GGMLWeights(rows, type_name, n, k)
+        x = torch.randn(T, k, generator=gen)
+        y = ggml_gemm.gemm(x, w)
+        ref = ggml_gemm.gemm_reference(x, w, gguf_dequantize(rows, type_name).reshape(n, k))
+        err = float((y - ref).norm() / ref.norm())
+        assert err < TOLERANCE[ggml_gemm.vec_dot_type(type_name)], f"{type_name} K={k} T={T}: {err:.2e}"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K", "F16"])
+def test_rows_independent_of_batch_and_threads(type_name):
+    """A row's result is the same bits alone, among 70 rows, and on 1 or 2 threads."""
+    _require_ggml()
+    gen = torch.Generator().manual_seed(7)
+    k, n = _k_for(type_name)[1], 53
+    w = ggml_gemm.GGMLWeights(random_rows(type_name, n, k, gen), type_name, n, k)
+    x = torch.randn(70, k, generator=gen)
+    full = ggml_gemm.gemm(x, w)
+    for i in (0, 33, 69):
+        assert torch.equal(ggml_gemm.gemm(x[i:i + 1], w)[0], full[i])
+        assert torch.equal(ggml_gemm.gemm(x[i:i + 8], w)[0], full[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ggml_gemm.gemm(x, w), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_shapes_are_clear_errors():
+    _require_ggml()
+    gen = torch.Generator().manual_seed(3)
+    rows = random_rows("Q4_K", 4, 256, gen)
+    w = ggml_gemm.GGMLWeights(rows, "Q4_K", 4, 256)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        ggml_gemm.gemm(torch.randn(2, 128), w)
+    with pytest.raises(RuntimeError, match="divisible by 256"):
+        ggml_gemm._extension().gemm(torch.randn(2, 128), rows[:, :72].contiguous(), w.type_id, 128)
+    with pytest.raises(RuntimeError, match="bytes"):
+        ggml_gemm._extension().gemm(torch.randn(2, 256), rows[:, :100].contiguous(), w.type_id, 256)
