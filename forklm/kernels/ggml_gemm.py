@@ -171,6 +171,13 @@ def gemm_parts(x: torch.Tensor, parts: list[GGMLWeights]) -> torch.Tensor:
                                    [p.output_columns() for p in parts], parts[0].k)
 
 
+def quantize(values: torch.Tensor, type_name: str) -> GGMLWeights:
+    """float32 [n, k] -> GGMLWeights of `type_name`, quantized row by row by ggml itself (the bytes
+    llama-quantize would write for these values, without an importance matrix)."""
+    data = _extension().quantize(values.float().contiguous(), GGML_TYPE_IDS[type_name])
+    return GGMLWeights(data, type_name, values.shape[0], values.shape[1])
+
+
 def gemm_reference(x: torch.Tensor, w: GGMLWeights, dequantized: torch.Tensor) -> torch.Tensor:
     """The slow, obvious product the tests hold `gemm` to: float64 activations times the weights'
     float values (`dequantized`: an independent dequantization, e.g. the gguf package's)."""

@@ -155,6 +155,22 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t k) {
   return y;
 }
 
+// x float32 [R, K] -> uint8 [R, row_bytes]: ggml's own quantization of each row to `type` (what
+// llama-quantize writes; for making test files and for float checkpoints kept in a ggml type)
+torch::Tensor quantize(torch::Tensor x, int64_t type) {
+  TORCH_CHECK(type >= 0 && type < GGML_TYPE_COUNT, "unknown ggml type ", type);
+  const auto t = static_cast<ggml_type>(type);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be float32 [rows, K]");
+  TORCH_CHECK(!ggml_quantize_requires_imatrix(t), ggml_type_name(t), " needs an importance matrix");
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % ggml_blck_size(t) == 0, ggml_type_name(t), " rows need K divisible by ", ggml_blck_size(t));
+  x = x.contiguous();
+  auto out = torch::empty({R, static_cast<int64_t>(ggml_row_size(t, K))}, torch::kUInt8);
+  ggml_quantize_init(t);
+  ggml_quantize_chunk(t, x.data_ptr<float>(), out.data_ptr<uint8_t>(), 0, R, K, nullptr);
+  return out;
+}
+
 std::string type_name(int64_t type) {
   TORCH_CHECK(type >= 0 && type < GGML_TYPE_COUNT, "unknown ggml type ", type);
   return ggml_type_name(static_cast<ggml_type>(type));
@@ -178,6 +194,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_parts", &gemm_parts, "y [T, sum N_p] = x [T, K] float32 times parts of weights, each its own ggml type",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &dequantize, "float32 [R, K] values of R stored rows of a ggml type",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize", &quantize, "uint8 [R, row_bytes]: float32 rows [R, K] quantized by ggml to a type",
         py::call_guard<py::gil_scoped_release>());
   m.def("type_name", &type_name);
   m.def("row_bytes", &row_bytes);

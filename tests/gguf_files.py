@@ -1,0 +1,86 @@
+"""Real GGUF files for the tests, made from the default model's file: its tensors' values requantized
+by ggml itself (the routine llama-quantize calls) to a per-tensor type rule, written with the gguf
+package's writer, metadata and tokenizer copied. (llama-quantize itself needs llama.cpp's full build,
+10+ minutes; the benchmark uses it, `forklm bench --llama-cpp --presets`.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+# A file holding every type forklm runs as stored: the layers cycle through these. SmolLM2's
+# hidden size (576) is no multiple of 256, so K-quants fit only ffn_down (1536 inputs), as in
+# llama-quantize's own fall-backs.
+ZOO_32 = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q8_0", "Q4_1", "F16", "BF16"]
+ZOO_256 = ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"]
+
+
+def zoo_type(name: str, k: int) -> str | None:
+    """The type rule of the "zoo" file: None keeps the tensor as it is."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if name == "token_embd.weight":
+        return "Q6_K" if k % 256 == 0 else "Q8_0"
+    if not m:
+        return None
+    layer, part = int(m[1]), m[2]
+    if part == "ffn_down" and k % 256 == 0:
+        return ZOO_256[layer % len(ZOO_256)]
+    if part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        # q, k and v of one layer in different types: a fused product of mixed parts
+        shift = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "attn_output": 3, "ffn_gate": 4, "ffn_up": 4, "ffn_down": 5}
+        return ZOO_32[(layer + shift[part]) % len(ZOO_32)]
+    return None
+
+
+def k_quant_type(name: str, k: int) -> str | None:
+    """A Q4_K_M-like rule: Q4_K where a row is a multiple of 256, else Q5_0; attn_v and ffn_down Q6_K
+    where they fit, else Q8_0; the embedding Q8_0."""
+    if name == "token_embd.weight":
+        return "Q8_0"
+    m = re.fullmatch(r"blk\.\d+\.(\w+)\.weight", name)
+    if not m or m[1] in ("attn_norm", "ffn_norm"):
+        return None
+    big = m[1] in ("attn_v", "ffn_down")
+    if k % 256 == 0:
+        return "Q6_K" if big else "Q4_K"
+    return "Q8_0" if big else "Q5_0"
+
+
+def requantize(src: Path, dst: Path, rule: Callable[[str, int], str | None]) -> Path:
+    """Writes `dst`: `src` with every tensor the rule names requantized (from its float values)."""
+    import gguf
+
+    from forklm.kernels import ggml_gemm
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        val_type = field.types[0]
+        sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))  # rows, k
+        want = rule(t.name, shape[-1]) if len(shape) == 2 else None
+        if want is None or want == t.tensor_type.name:
+            writer.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+            continue
+        values = torch.from_numpy(np.ascontiguousarray(
+            gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+        if want in ("F16", "BF16"):
+            data = values.to(torch.float16 if want == "F16" else torch.bfloat16).view(torch.uint8)
+        else:
+            data = ggml_gemm.quantize(values, want).data
+        qtype = gguf.GGMLQuantizationType[want]
+        writer.add_tensor(t.name, data.numpy(), raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
