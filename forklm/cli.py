@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run llama.cpp's llama-batched-bench at the same points (same .gguf file, same threads, "
                         "shared prompt, unified KV, flash attention off and on); build it with "
                         "scripts/build_llama_cpp.sh or set $FORKLM_LLAMA_CPP_BIN")
+    b.add_argument("--presets", default=None, metavar="LIST",
+                   help="comma list of llama.cpp quantization presets (e.g. Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K_M,"
+                        "Q4_K_M,Q5_K_M,Q6_K): each is made once from the .gguf model with llama-quantize "
+                        "--allow-requantize into .cache/presets/ and the sweep runs on every file, with both engines' "
+                        "peak RSS and load time per file (default: none, the model file as given)")
     b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
     b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     from forklm.bench.serve_workload import build_parser as serve_parser

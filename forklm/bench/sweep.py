@@ -13,7 +13,16 @@ prefill runs over n copies of the prompt and whose KV cache holds n copies.
 
 With --llama-cpp (a .gguf model only), llama.cpp's llama-batched-bench runs at the same points after
 forklm's at each m_c, flash attention off and on (rows "llama.cpp", "llama.cpp-fa"; see
-`forklm/bench/llama_cpp.py`).
+`forklm/bench/llama_cpp.py`). With --presets Q4_0,Q4_K_M,... the sweep runs once per llama.cpp
+quantization preset of the given .gguf file (made by llama-quantize, see `forklm/bench/presets.py`;
+rows tagged "preset" and "file"), and per file both engines' peak RSS and load time are recorded
+("files" in the JSON) and summarized in markdown (printed, and written next to the JSON as .md).
+
+tokens_per_s counts decode steps, as llama.cpp does: n * decode steps / decode_s. forklm's first
+token of each sample comes out of the prefill, so new_tokens tokens take new_tokens - 1 decode steps
+(transformers' too: its decode_s runs from the first token to the last); tokens_per_s_generated
+keeps generated tokens / decode_s (forklm's Stats.tokens_per_s), which counts one token more per
+sample than the steps timed.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +45,7 @@ import torch
 from forklm.bench.machine import cpu_model, machine_info
 from forklm.bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes
 from forklm.bench.memory import PeakMemory
+from forklm.bench.presets import parse_presets
 
 TEMPERATURE = 0.8
 TOP_P = 0.95
@@ -134,7 +144,7 @@ class Measured:
     decode_s: float
     e2e_s: float
     step_s: float  # median decode step (one forward + one sampling)
-    tokens_per_s: float  # generated tokens / decode_s
+    tokens_per_s: float  # n * decode steps / decode_s (tokens the timed steps made); see decode_tokens_per_s
     peak_mem_mib: float
     extra: dict
 
@@ -143,6 +153,18 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
         isinstance(e, RuntimeError) and "memory" in str(e).lower()
     )
+
+
+TIMING_NOTE = ("tokens_per_s = n * decode steps / decode_s for every implementation, as llama.cpp counts: "
+               "forklm and transformers take new_tokens - 1 decode steps (the first token comes out of the prefill, "
+               "decode_s runs from the first token to the last), llama.cpp new_tokens (its prefill's logits make no "
+               "token); tokens_per_s_generated = generated tokens / decode_s (forklm's Stats.tokens_per_s: "
+               "new_tokens / (new_tokens - 1) times higher, +1.6% at 64 new tokens)")
+
+
+def decode_tokens_per_s(n: int, steps: int, decode_s: float) -> float | None:
+    """Tokens the timed decode steps produced per second: n samples x `steps` steps / decode_s."""
+    return n * steps / decode_s if decode_s > 0 and steps > 0 else None
 
 
 class ForkLMRunner:
@@ -177,9 +199,10 @@ class ForkLMRunner:
             decode_s=st.decode_s,
             e2e_s=st.queue_s + st.prefill_s + st.decode_s,
             step_s=st.median_step_s,
-            tokens_per_s=st.tokens_per_s,
+            tokens_per_s=decode_tokens_per_s(n, st.steps, st.decode_s),
             peak_mem_mib=mem.peak_mib,
-            extra={"steps": st.steps, "auto_paths": dict(st.path_steps)},
+            extra={"steps": st.steps, "auto_paths": dict(st.path_steps),
+                   "tokens_per_s_generated": st.tokens_per_s},
         )
 
 
@@ -290,9 +313,9 @@ class TransformersRunner:
             decode_s=decode_s,
             e2e_s=e2e,
             step_s=statistics.median(steps),
-            tokens_per_s=n * new_tokens / decode_s,
+            tokens_per_s=decode_tokens_per_s(n, len(steps), decode_s),
             peak_mem_mib=mem.peak_mib,
-            extra={"steps": len(steps)},
+            extra={"steps": len(steps), "tokens_per_s_generated": n * new_tokens / decode_s},
         )
 
 
@@ -308,6 +331,7 @@ class SweepConfig:
     transformers_max_tokens: int
     repeats: int = 1  # every implementation runs this many times per point, interleaved; the fastest counts
     llama_cpp: bool = False  # llama.cpp's llama-batched-bench at the same points (GGUF models only)
+    presets: list[str] = field(default_factory=list)  # llama-quantize presets of the model file; [] = the file as given
 
 
 def _point(m_c: int, n: int, impl: str, measured: Measured | None, floor: Any, skipped: str | None) -> dict:
@@ -439,6 +463,8 @@ def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: C
                                "prefill_s = to the first token, step = median gap between tokens",
         "floor_model": "max(bytes / bandwidth, FLOPs / matmul peak); bytes = weights + bifurcated KV read, "
                        "m_d = new_tokens / 2 (floor_naive_ms: naive KV read)",
+        "timing": TIMING_NOTE,
+        "presets": cfg.presets,
     }
     if llama_cpp is not None:
         meta["llama_cpp"] = llama_cpp.meta(dtype_name(llm.dtype))
@@ -536,6 +562,7 @@ def sweep_config(args: argparse.Namespace) -> SweepConfig:
         transformers_max_tokens=int(getattr(args, "transformers_max_tokens", 2048 * 64)),
         repeats=int(getattr(args, "repeats", 1)),
         llama_cpp=bool(getattr(args, "llama_cpp", False)),
+        presets=parse_presets(getattr(args, "presets", None)),
     )
     if cfg.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {cfg.repeats}")
@@ -559,80 +586,165 @@ def _load_transformers(llm: Any) -> tuple[TransformersRunner | None, str | None,
     return runner, transformers.__version__, None
 
 
+def _ggufs_to_run(args: argparse.Namespace, cfg: SweepConfig, llama_binary: Path | None) -> list[dict]:
+    """The model files of the run: the model as given, or one file per preset (made first, so a
+    failing llama-quantize stops the run before anything slow)."""
+    if not cfg.presets:
+        return [{"preset": None, "model": args.model}]
+    from forklm.bench.presets import make_preset, quantize_binary, source_gguf
+
+    quantizer = quantize_binary(llama_binary)
+    source = source_gguf(args.model)
+    files = []
+    for preset in cfg.presets:
+        made = make_preset(quantizer, source, preset, torch.get_num_threads(), note=_note)
+        files.append({"preset": preset, "model": made["file"], "quantized": made})
+    return files
+
+
+def _memory_and_load(llm: Any, cfg: SweepConfig, llama_cpp: Any) -> dict:
+    """Both engines' peak RSS and load time on llm's file (forklm: a fresh process at the sweep's largest point)."""
+    from forklm.bench.presets import forklm_probe, probe_point
+
+    m_c, n = probe_point(cfg.contexts, cfg.ns, cfg.new_tokens, llm.config.max_position_embeddings)
+    path = "auto" if "auto" in cfg.paths or not cfg.paths else next(
+        (p for p in cfg.paths if p != "single-request"), "auto")
+    _note(f"forklm memory/load probe on {Path(str(llm.source)).name}: m_c={m_c} n={n} ({path}), fresh process")
+    found = {"forklm": forklm_probe(Path(str(llm.source)), dtype_name(llm.dtype), llm.quantize or "none",
+                                    torch.get_num_threads(), m_c, n, cfg.new_tokens, path)}
+    if llama_cpp is not None:
+        found["llama_cpp"] = llama_cpp.memory_and_load()
+    return found
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """`forklm bench`; returns the exit code (0, or 1 when every point was skipped)."""
     from forklm import LLM
 
     cfg = sweep_config(args)
     llama_binary = None
-    if cfg.llama_cpp:
+    if cfg.llama_cpp or cfg.presets:
         from forklm.bench.llama_cpp import find_binary
 
         llama_binary = find_binary()  # before anything slow: a missing binary is a clear error
-    _note(f"loading {args.model} (dtype {args.dtype}, device {args.device})")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=getattr(args, "quantize", "auto"))
-    dtype = dtype_name(llm.dtype)
-    llama_cpp = None
-    if cfg.llama_cpp:
-        from forklm.bench.llama_cpp import LlamaCppPeer
+    files = _ggufs_to_run(args, cfg, llama_binary)
+    measure_files = cfg.llama_cpp or bool(cfg.presets)  # memory and load time per file
 
-        if Path(str(llm.source)).suffix.lower() != ".gguf":
-            raise ValueError(f"--llama-cpp needs a .gguf model (llama.cpp reads only GGUF files); {args.model} "
-                             f"resolves to {llm.source}")
-        llama_cpp = LlamaCppPeer(llama_binary, Path(llm.source), torch.get_num_threads())
-        _note(f"llama.cpp peer: {llama_binary}, {llama_cpp.threads} threads; forklm runs the same file in {dtype}, "
-              f"quantize={llm.quantize or 'none'}")
-    out = Path(args.out or f"bench/results/sweep_{llm.device.type}_{dtype}.json")
-    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+    points: list[dict] = []
+    file_docs: list[dict] = []
+    ceilings_by_dtype: dict[Any, Ceilings] = {}
+    first: dict[str, Any] = {}
+    hf_version, hf_error = None, None
+    for k, entry in enumerate(files):
+        label = f" (preset {entry['preset']}, file {k + 1} of {len(files)})" if entry["preset"] else ""
+        _note(f"loading {entry['model']}{label} (dtype {args.dtype}, device {args.device})")
+        llm = LLM(entry["model"], dtype=args.dtype, device=args.device, quantize=getattr(args, "quantize", "auto"))
+        dtype = dtype_name(llm.dtype)
+        source = Path(str(llm.source))
+        llama_cpp = None
+        if cfg.llama_cpp:
+            from forklm.bench.llama_cpp import LlamaCppPeer
 
-    hf, hf_version, hf_error = (None, None, None)
-    if cfg.transformers:
-        _note("loading the same checkpoint in transformers")
-        hf, hf_version, hf_error = _load_transformers(llm)
-        if hf_error:
-            _note(f"transformers baseline off: {hf_error}")
-    else:
+            if source.suffix.lower() != ".gguf":
+                raise ValueError(f"--llama-cpp needs a .gguf model (llama.cpp reads only GGUF files); {args.model} "
+                                 f"resolves to {llm.source}")
+            llama_cpp = LlamaCppPeer(llama_binary, source, torch.get_num_threads())
+            _note(f"llama.cpp peer: {llama_binary}, {llama_cpp.threads} threads; forklm runs the same file in "
+                  f"{dtype}, quantize={llm.quantize or 'none'}")
+        hf = None
+        if cfg.transformers:
+            _note("loading the same checkpoint in transformers")
+            hf, hf_version, hf_error = _load_transformers(llm)
+            if hf_error:
+                _note(f"transformers baseline off: {hf_error}")
+        elif hf_version is None:
+            try:
+                import transformers
+
+                hf_version = transformers.__version__
+            except ImportError:
+                pass
+
+        if llm.dtype not in ceilings_by_dtype:
+            _note(f"measuring bandwidth and {dtype} matmul peak")
+            c = measure_ceilings(llm.dtype, llm.device, step_matmul_shapes(llm.config, max(cfg.ns), llm.device))
+            _note(f"ceilings: {c.bandwidth_bytes_per_s / 1e9:.1f} GB/s copy, "
+                  f"{c.matmul_flops_per_s / 1e9:.1f} GFLOP/s {dtype} matmul")
+            ceilings_by_dtype[llm.dtype] = c
+        ceilings = ceilings_by_dtype[llm.dtype]
+
+        warm = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, 16)
+        ForkLMRunner(llm).warm_up(warm, cfg.paths)
+        if hf is not None:
+            hf.warm_up(warm)
+
+        impls = (len(cfg.paths) + int(cfg.transformers)) * cfg.repeats
+        llama_runs = 2 * cfg.repeats if llama_cpp else 0  # one invocation per m_c and flash-attention setting
+        progress = _progress(len(cfg.contexts) * (len(cfg.ns) * impls + llama_runs))
         try:
-            import transformers
+            rows = run_sweep(llm, cfg, ceilings, hf, hf_error, progress, llama_cpp)
+        finally:
+            progress.close()
+        for row in rows:
+            row.update(preset=entry["preset"], file=str(llm.source))
+        points.extend(rows)
 
-            hf_version = transformers.__version__
-        except ImportError:
-            pass
+        info: dict[str, Any] = {"preset": entry["preset"], "file": str(llm.source), "dtype": dtype,
+                                "quantize": llm.quantize, "weight_bytes": llm.model.num_weight_bytes()}
+        if source.suffix.lower() == ".gguf" and source.is_file():
+            from forklm.bench.presets import file_info
 
-    _note(f"measuring bandwidth and {dtype} matmul peak")
-    ceilings = measure_ceilings(llm.dtype, llm.device, step_matmul_shapes(llm.config, max(cfg.ns), llm.device))
-    _note(f"ceilings: {ceilings.bandwidth_bytes_per_s / 1e9:.1f} GB/s copy, "
-          f"{ceilings.matmul_flops_per_s / 1e9:.1f} GFLOP/s {dtype} matmul")
+            info.update(file_info(source))
+        if entry.get("quantized"):
+            info["quantized"] = entry["quantized"]
+        if measure_files:
+            info.update(_memory_and_load(llm, cfg, llama_cpp))
+        file_docs.append(info)
+        if not first:  # the run's meta: the first file's model, device and dtype
+            first = {"meta": build_meta(args, llm, cfg, ceilings, hf_version, hf_error, llama_cpp),
+                     "out": Path(args.out or f"bench/results/sweep_{llm.device.type}_{dtype}.json"),
+                     "parameters": llm.config.num_parameters(), "device": llm.device.type}
+        if k + 1 < len(files):  # the next file's model replaces this one
+            del llm, hf, llama_cpp
+            gc.collect()
 
-    warm = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, 16)
-    ForkLMRunner(llm).warm_up(warm, cfg.paths)
-    if hf is not None:
-        hf.warm_up(warm)
-
-    impls = (len(cfg.paths) + int(cfg.transformers)) * cfg.repeats
-    llama_runs = 2 * cfg.repeats if llama_cpp else 0  # one invocation per m_c and flash-attention setting
-    progress = _progress(len(cfg.contexts) * (len(cfg.ns) * impls + llama_runs))
-    try:
-        points = run_sweep(llm, cfg, ceilings, hf, hf_error, progress, llama_cpp)
-    finally:
-        progress.close()
-
-    doc = {"meta": build_meta(args, llm, cfg, ceilings, hf_version, hf_error, llama_cpp), "points": points}
+    meta, out = first["meta"], first["out"]
+    meta["transformers"] = hf_version
+    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+    if cfg.presets:  # per file: model, dtype, weight bytes in "files"
+        meta.update(model=str(files[0]["quantized"]["source"]), weight_bytes=None)
+        if "llama_cpp" in meta:
+            meta["llama_cpp"]["model"] = [f["file"] for f in file_docs]
+    doc = {"meta": meta, "points": points, "files": file_docs}
     write_json(doc, out)
     _note(f"wrote {out}")
+    per_file = [({**meta, "model": f["file"], "dtype": f["dtype"]}, [p for p in points if p["file"] == f["file"]])
+                for f in file_docs]
     try:
         from forklm.bench.plot import plot_sweeps
 
-        plot_sweeps([doc], png)
+        plot_sweeps([{"meta": m, "points": pts} for m, pts in per_file], png)
         _note(f"wrote {png}")
     except ImportError as e:
         _note(f"no plot ({e}); pip install matplotlib")
-    print(f"\n{llm.config.num_parameters() / 1e6:.0f}M parameters, {dtype} on {llm.device.type}, "
-          f"{cfg.new_tokens} new tokens; cells: median step ms / generated tok/s\n")
-    if llama_cpp:
-        print(f"llama.cpp: the same GGUF as stored (quantized), {llama_cpp.threads} threads, shared prompt, unified KV; "
-              f"its step ms is a mean (decode_s / new_tokens)\n")
-    print(markdown_table(doc))
+    print(f"\n{first['parameters'] / 1e6:.0f}M parameters, {meta['dtype']} on {first['device']}, "
+          f"{cfg.new_tokens} new tokens; cells: median step ms / tok/s (n * decode steps / decode s)\n")
+    if cfg.llama_cpp:
+        print(f"llama.cpp: the same GGUF as stored (quantized), {meta['llama_cpp']['threads']} threads, shared prompt, "
+              f"unified KV; its step ms is a mean (decode_s / new_tokens)\n")
+    for (m, pts), f in zip(per_file, file_docs):
+        if len(file_docs) > 1:
+            print(f"### {f['preset'] or 'as given'}: {Path(f['file']).name}\n")
+        print(markdown_table({"meta": m, "points": pts}))
+        print()
+    if measure_files:
+        from forklm.bench.presets import preset_summary
+
+        summary = preset_summary(points, file_docs)
+        md = out.with_suffix(".md")
+        md.write_text(summary)
+        print(summary)
+        _note(f"wrote {md}")
     if all(p.get("skipped") for p in points):
         _note("every point was skipped")
         return 1
