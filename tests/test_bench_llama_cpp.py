@@ -1,16 +1,21 @@
 """llama.cpp as a `forklm bench` peer: parsing llama-batched-bench's output, the command it runs, the
-missing-binary error, and (where scripts/build_llama_cpp.sh has built it) a real tiny run."""
+missing-binary error, the presets (names, paths, llama-quantize's command), the load-time and RSS
+figures, forklm's decode tokens/s, and (where scripts/build_llama_cpp.sh has built it) real tiny runs."""
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from forklm.bench import llama_cpp
+from forklm.bench import llama_cpp, presets
 from forklm.bench.llama_cpp import (LlamaCppNotFound, LlamaCppPeer, batched_bench_command, context_size, find_binary,
                                     parse_jsonl, to_point)
-from forklm.bench.sweep import markdown_table
+from forklm.bench.sweep import ForkLMRunner, decode_tokens_per_s, markdown_table
 from forklm.cli import main
+from forklm.outputs import Stats
 
 DATA = Path(__file__).parent / "data"
 # Real output (stdout + stderr) of the binary built by scripts/build_llama_cpp.sh, SmolLM2-135M Q4_1:
@@ -59,6 +64,7 @@ def test_command_shares_the_prompt_in_a_unified_kv():
     assert value("-t") == value("-tb") == "2"
     assert value("-c") == str(1024 + 64 * 64) == str(context_size(1024, [1, 8, 64], 64))
     assert value("--output-format") == "jsonl"
+    assert value("-lv") == "4"  # the info lines that carry the load times
     assert value("-fa") == "on"
     off = batched_bench_command(Path("/bin/bb"), Path("/m/model.gguf"), 256, [1], 8, 2, flash_attn=False)
     assert off[off.index("-fa") + 1] == "off"
@@ -139,3 +145,241 @@ def test_bench_puts_llama_cpp_rows_beside_forklm(tmp_path, smollm2_gguf, capsys)
     assert png.stat().st_size > 10_000
     table = capsys.readouterr().out
     assert "llama.cpp-fa ms / tok/s" in table and "auto/best llama.cpp tok/s" in table
+    assert all(p["preset"] is None and p["file"] == str(smollm2_gguf) for p in doc["points"])
+    [f] = doc["files"]  # memory and load time of both engines on the file
+    assert f["file"] == str(smollm2_gguf) and f["tensor_types"]["Q4_1"]["tensors"] > 0
+    assert "error" not in f["forklm"], f["forklm"]
+    assert f["forklm"]["peak_rss_mib"] >= f["forklm"]["baseline_rss_mib"] > 0 and f["forklm"]["load_s"] > 0
+    assert f["forklm"]["point"] == {"m_c": 32, "n": 2, "new_tokens": 3, "attention": "auto"}
+    assert f["llama_cpp"]["peak_rss_mib"] > 0 and f["llama_cpp"]["load_s"] > 0 and f["llama_cpp"]["ready_s"] > 0
+    assert "load time" in doc["meta"]["llama_cpp"]["load_time"]["load_s"]
+    assert (tmp_path / "b.md").read_text().startswith("### as given")
+
+
+# ---------------------------------------------------------------------- presets
+def test_preset_names_are_checked_and_normalized():
+    assert presets.parse_presets("q4_k_m, Q8_0,Q4_K_M") == ["Q4_K_M", "Q8_0"]
+    assert presets.parse_presets(None) == [] == presets.parse_presets("")
+    assert presets.parse_presets(",".join(presets.COMMON_PRESETS)) == list(presets.COMMON_PRESETS)
+    with pytest.raises(ValueError) as e:
+        presets.parse_presets("Q4_0,Q7_K,IQ2_XXS")
+    msg = str(e.value)
+    assert "Q7_K" in msg and "IQ2_XXS" in msg.split(";")[0] and "valid: Q4_0, Q4_1" in msg
+    assert all(name in msg for name in presets.PRESETS)
+
+
+def test_preset_path_and_quantize_command():
+    src = Path("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    dest = presets.preset_path(src, "Q4_K_M", Path("/c/presets"))
+    assert dest == Path("/c/presets/SmolLM2-135M-Instruct.Q4_1-Q4_K_M.gguf")
+    assert presets.preset_path(src, "Q8_0").parent == presets.REPO_ROOT / ".cache" / "presets"
+    args = presets.quantize_command(Path("/b/llama-quantize"), src, dest, "Q4_K_M", 2)
+    assert args == ["/b/llama-quantize", "--allow-requantize", str(src), str(dest), "Q4_K_M", "2"]
+
+
+def test_quantize_binary_sits_beside_batched_bench(tmp_path):
+    bench = tmp_path / "llama-batched-bench"
+    with pytest.raises(FileNotFoundError, match="llama-quantize.*scripts/build_llama_cpp.sh"):
+        presets.quantize_binary(bench)
+    q = tmp_path / "llama-quantize"
+    q.write_text("#!/bin/sh\n")
+    q.chmod(0o755)
+    assert presets.quantize_binary(bench) == q
+
+
+def _fake_quantizer(tmp_path: Path, body: str) -> Path:
+    """A stand-in llama-quantize: `--allow-requantize SRC DST PRESET THREADS`."""
+    q = tmp_path / "bin" / "llama-quantize"
+    q.parent.mkdir(exist_ok=True)
+    q.write_text("#!/bin/sh\n" + body)
+    q.chmod(0o755)
+    return q
+
+
+def test_make_preset_once_then_reuse(tmp_path):
+    src = tmp_path / "m.Q4_1.gguf"
+    src.write_bytes(b"GGUF-source")
+    log = tmp_path / "calls"
+    q = _fake_quantizer(tmp_path, f'echo "$@" >> {log}\ncp "$2" "$3"\n')
+    made = presets.make_preset(q, src, "Q5_0", 3, folder=tmp_path / "presets")
+    dest = tmp_path / "presets" / "m.Q4_1-Q5_0.gguf"
+    assert made["made"] is True and made["file"] == str(dest) and dest.read_bytes() == b"GGUF-source"
+    assert made["command"] == " ".join(presets.quantize_command(q, src, dest, "Q5_0", 3))
+    assert log.read_text().split() == ["--allow-requantize", str(src), str(dest) + ".part", "Q5_0", "3"]
+    again = presets.make_preset(q, src, "Q5_0", 3, folder=tmp_path / "presets")
+    assert again["made"] is False and again["file"] == str(dest)
+    assert len(log.read_text().splitlines()) == 1  # not run again
+
+
+def test_make_preset_failure_leaves_no_file(tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    q = _fake_quantizer(tmp_path, 'echo partial > "$3"\necho "llama_model_quantize: failed to quantize" >&2\nexit 1\n')
+    with pytest.raises(RuntimeError, match="llama-quantize Q6_K exited 1: llama_model_quantize: failed"):
+        presets.make_preset(q, src, "Q6_K", 2, folder=tmp_path / "p")
+    assert list((tmp_path / "p").iterdir()) == []
+
+
+def test_source_gguf_must_be_a_gguf_file(tmp_path):
+    with pytest.raises(ValueError, match="--presets needs a .gguf model"):
+        presets.source_gguf(str(tmp_path))
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"")
+    assert presets.source_gguf(str(f)) == f
+
+
+def test_bench_rejects_an_unknown_preset_before_loading(tmp_path, capsys):
+    rc = main(["bench", "--llama-cpp", "--presets", "Q4_0,Q9_9", "--out", str(tmp_path / "x.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown preset(s) Q9_9" in err and "valid: Q4_0" in err and "Traceback" not in err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_presets_need_a_gguf_model(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    _fake_quantizer(tmp_path, "exit 1\n").rename(tmp_path / "llama-quantize")
+    monkeypatch.setenv(llama_cpp.ENV_VAR, str(fake))
+    rc = main(["bench", "--presets", "Q4_0", "--model", str(tmp_path), "--out", str(tmp_path / "x.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--presets needs a .gguf model" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- load time, RSS
+# Real stderr of the binary built by scripts/build_llama_cpp.sh (SmolLM2-135M Q4_1, -lv 4), on a busy machine.
+STDERR_LV4 = DATA / "llama_batched_bench_stderr_lv4.txt"
+
+
+def test_load_times_from_a_captured_log():
+    text = STDERR_LV4.read_text()
+    assert llama_cpp.parse_load_time_s(text) == pytest.approx(5.17419)  # llama_perf_context_print load time
+    assert llama_cpp.parse_ready_s(text) == pytest.approx(0.192527)  # context built: sched_reserve's line
+    assert llama_cpp.parse_load_time_s("") is None and llama_cpp.parse_ready_s("no log\n") is None
+    assert llama_cpp.log_timestamp_s("1.02.003.004 I x") == pytest.approx(62.003004)
+    assert llama_cpp.log_timestamp_s("\x1b[34m0.00.205.452\x1b[0m I sched_reserve: reserve took") == pytest.approx(
+        0.205452)
+    assert llama_cpp.log_timestamp_s("......") is None
+    head, _, _ = text.partition("# stderr:")
+    assert "-lv 4" in head.splitlines()[0] and len(parse_jsonl(head)) == 2
+
+
+def test_invocations_summary_and_the_wall_time_fallback():
+    inv = [{"m_c": 64, "returncode": 0, "peak_rss_mib": 120.0, "load_s": 0.3, "ready_s": 0.10},
+           {"m_c": 2048, "returncode": 0, "peak_rss_mib": 180.0, "load_s": 0.5, "ready_s": 0.12},
+           {"m_c": 4096, "returncode": 1, "peak_rss_mib": 900.0, "load_s": None, "ready_s": None},
+           {"m_c": 1024, "returncode": 0, "peak_rss_mib": 150.0, "load_s": 0.4, "ready_s": 0.11}]
+    s = llama_cpp.summarize_invocations(inv, tiny_run=lambda: pytest.fail("not needed"))
+    assert (s["peak_rss_mib"], s["peak_rss_m_c"]) == (180.0, 2048)  # failed runs left out
+    assert s["load_s"] == pytest.approx(0.4) and s["ready_s"] == pytest.approx(0.11)
+    assert s["load_s_runs"] == [0.3, 0.5, 0.4] and s["load_source"] == llama_cpp.LOAD_SOURCE_PERF
+    no_log = [dict(i, load_s=None, ready_s=None) for i in inv]
+    tiny = llama_cpp.Finished(0, "", "", 100.0, 0.25)
+    s = llama_cpp.summarize_invocations(no_log, tiny_run=lambda: tiny)
+    assert s["load_s"] == 0.25 and s["load_source"] == llama_cpp.LOAD_SOURCE_WALL and s["ready_s"] is None
+
+
+def _child(code: str) -> list[str]:
+    return [sys.executable, "-I", "-S", "-c", code]
+
+
+def test_child_rss_is_its_own_not_the_parents():
+    """Linux copies the parent's peak RSS into a child's ru_maxrss across fork + exec; this test's
+    process (torch imported, 300+ MiB here) must not show through a small child's figure."""
+    big = torch.ones(256 * 2**20 // 4)  # the parent: +256 MiB resident
+    assert big.sum() > 0
+    alloc = "b = bytearray(96 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('done')"
+    done = llama_cpp.run_measured(_child(alloc))
+    assert done.returncode == 0 and done.stdout == "done\n"
+    assert 96 < done.maxrss_mib < 150, done.maxrss_mib
+    assert llama_cpp.run_measured(_child("import sys; sys.exit(3)")).returncode == 3
+    assert llama_cpp.run_measured(_child("import os; os.kill(os.getpid(), 9)")).returncode == 128 + 9
+    missing = llama_cpp.run_measured(["/nonexistent/llama-batched-bench"])
+    assert missing.returncode == 127 and "cannot run" in missing.stderr
+
+
+def test_helper_report_parses():
+    assert llama_cpp.parse_report("132772 14.08") == (pytest.approx(129.66, abs=0.01), 14.08)
+    report = Path("/tmp/r")
+    args = llama_cpp.measured_command(["/b/llama-batched-bench", "-m", "x"], report, python="/py")
+    assert args[:3] == ["/py", "-I", "-S"] and args[-4:] == [str(report), "/b/llama-batched-bench", "-m", "x"]
+
+
+# ---------------------------------------------------------------------- forklm's probe, tokens/s, summary
+def test_probe_command_and_output():
+    args = presets.probe_command(Path("/m.gguf"), "float32", "gguf", 2, 2048, 64, 64, "auto", python="/py")
+    assert args[:4] == ["/py", "-m", "forklm.bench.presets", "probe"]
+    assert args[args.index("--model") + 1] == "/m.gguf" and args[args.index("--quantize") + 1] == "gguf"
+    assert [args[args.index(f) + 1] for f in ("--m-c", "--n", "--new-tokens", "--threads")] == ["2048", "64", "64", "2"]
+    out = "noise\nforklm-probe: {\"load_s\": 0.5, \"peak_rss_mib\": 400}\n"
+    assert presets.parse_probe_output(out) == {"load_s": 0.5, "peak_rss_mib": 400}
+    with pytest.raises(ValueError):
+        presets.parse_probe_output("Traceback ...")
+    assert presets.probe_point([256, 1024, 4096], [1, 8, 64], 64, 2048) == (1024, 64)
+    assert presets.probe_point([256, 1024], [1, 8], 64, None) == (1024, 8)
+
+
+def test_decode_tokens_per_s_counts_decode_steps():
+    assert decode_tokens_per_s(8, 63, 2.0) == pytest.approx(8 * 63 / 2.0)
+    assert decode_tokens_per_s(8, 0, 2.0) is None and decode_tokens_per_s(8, 63, 0.0) is None
+
+
+class _FakeLLM:
+    """What ForkLMRunner.run touches: a sample call whose stats say 64 tokens in 63 decode steps."""
+
+    device = torch.device("cpu")
+
+    def clear_prefix_cache(self) -> None:
+        pass
+
+    def sample(self, prompt, n, attention, max_tokens, **kw):
+        st = Stats(prompt_tokens=len(prompt), generated_tokens=n * max_tokens, prefill_s=0.5, decode_s=2.0,
+                   steps=max_tokens - 1, path_steps={attention: max_tokens - 1}, step_s=[2.0 / 63] * 63)
+
+        class Out:
+            stats = st
+
+        return Out()
+
+
+def test_forklm_rows_count_decode_steps_like_llama_cpp():
+    m = ForkLMRunner(_FakeLLM()).run("auto", list(range(100)), n=8, new_tokens=64)
+    assert m.tokens_per_s == pytest.approx(8 * 63 / 2.0)  # n x decode steps / decode time
+    assert m.extra["tokens_per_s_generated"] == pytest.approx(8 * 64 / 2.0)  # the old count, +1.6%
+    assert m.extra["steps"] == 63
+
+
+def _row(impl, n, tps, m_c=256, file="/p/a.gguf", **kw):
+    return {"m_c": m_c, "n": n, "impl": impl, "tokens_per_s": tps, "file": file, **kw}
+
+
+def test_preset_summary_compares_with_the_faster_flash_attention_setting():
+    points = [_row("forklm-auto", 1, 100.0), _row("llama.cpp", 1, 50.0, flash_attn=False),
+              _row("llama.cpp-fa", 1, 80.0, flash_attn=True),
+              _row("forklm-auto", 8, 400.0), _row("llama.cpp", 8, 200.0, flash_attn=False),
+              _row("llama.cpp-fa", 8, None, flash_attn=True, skipped="exited 1"),
+              _row("forklm-auto", 1, 1.0, file="/p/b.gguf")]
+    files = [{"preset": "Q4_K_M", "file": "/p/a.gguf", "file_mib": 100.5,
+              "tensor_types": {"Q5_0": {"tensors": 166, "bytes": 1}, "Q4_K": {"tensors": 16, "bytes": 1}},
+              "forklm": {"load_s": 0.4, "load_first_eval_s": 0.6, "baseline_rss_mib": 350.0, "peak_rss_mib": 500.0,
+                         "peak_minus_baseline_mib": 150.0, "point": {"m_c": 256, "n": 8}},
+              "llama_cpp": {"load_s": 0.2, "load_source": "perf", "ready_s": 0.1, "peak_rss_mib": 180.0,
+                            "peak_rss_m_c": 256}}]
+    md = presets.preset_summary(points, files)
+    lines = md.splitlines()
+    assert lines[0] == "### Q4_K_M: a.gguf (100.5 MiB; tensors: Q5_0 166, Q4_K 16)"
+    assert "| 256 | 1 | 100.0 | 80.0 (on) | 1.25x |" in lines
+    assert "| 256 | 8 | 400.0 | 200.0 (off) | 2.00x |" in lines
+    assert "peak RSS 500 MiB" in md and "baseline 350 MiB" in md and "+150 MiB" in md
+    assert "llama.cpp: load 0.20 s" in md and "context ready 0.10 s" in md and "peak RSS 180 MiB" in md
+    assert "b.gguf" not in md  # only the listed files
+
+
+@pytest.mark.parametrize("preset", ["Q4_0"])
+def test_real_quantizer_makes_the_preset(tmp_path, smollm2_gguf, preset):
+    q = presets.quantize_binary(_built_binary())
+    made = presets.make_preset(q, smollm2_gguf, preset, 2, folder=tmp_path)
+    info = presets.file_info(Path(made["file"]))
+    assert made["made"] and info["tensor_types"][preset]["tensors"] > 100 and info["file_mib"] > 10
