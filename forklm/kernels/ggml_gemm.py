@@ -19,6 +19,7 @@ scripts/setup.sh builds). FORKLM_GGML=0 turns these kernels off (such files are 
 from __future__ import annotations
 
 import os
+import zlib
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,7 +63,7 @@ def _extension():
         name=name,
         sources=[str(_SOURCE)],
         extra_include_paths=[str(root / "include")],
-        extra_cflags=["-O3", "-fopenmp", f"-DFORKLM_GGML_DIR_HASH={hash(str(root)) & 0xFFFFFFFF:#x}"],
+        extra_cflags=["-O3", "-fopenmp", f"-DFORKLM_GGML_DIR_HASH={zlib.crc32(str(root).encode()):#x}"],
         extra_ldflags=["-fopenmp", f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}"],
         verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1",
     )
