@@ -209,7 +209,8 @@ class BlockQuantized:
 
 
 def read_gguf_blocks(kind_name: str, raw, shape: tuple[int, int]) -> BlockQuantized:
-    """Q4_1 or Q8_0 bytes of a GGUF tensor ([rows, bytes per row] uint8) -> BlockQuantized [out, in]."""
+    """Q4_1, Q4_0 or Q8_0 bytes of a GGUF tensor ([rows, bytes per row] uint8) -> BlockQuantized
+    [out, in] (Q4_0 as Q4_1 blocks with minimum −8d: the same values, exactly)."""
     import numpy as np
 
     n, k = shape
@@ -221,6 +222,11 @@ def read_gguf_blocks(kind_name: str, raw, shape: tuple[int, int]) -> BlockQuanti
         qs = blocks[..., 4:20]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
         return BlockQuantized("q4_1", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+    if kind_name == "Q4_0":  # per block: d fp16, 16 bytes as Q4_1's; w = d·(q − 8) = d·q + (−8d), exactly
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 2:18]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        return BlockQuantized("q4_1", torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(-8 * d))
     if kind_name == "Q8_0":  # per block: d fp16, 32 int8
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = blocks[..., 2:34].copy().view(np.int8).reshape(n, k)
@@ -295,11 +301,14 @@ class QuantizedLinear:
 
 
 class BlockLinear(QuantizedLinear):
-    """y = x @ wᵀ with w [out, in] kept as a GGUF file's Q4_1 / Q8_0 blocks, run by forklm's AVX2
-    integer kernel (`forklm.kernels.block_gemm`: activations quantized per row and block of 32, as
-    llama.cpp does; each row's result depends on that row alone), and a dense copy of the same
-    weights (`block_dense_dtype()`: bfloat16 on CPUs that multiply it natively, else float32) for
-    steps of more than `max_rows` rows. The model's activations are float32 either way."""
+    """y = x @ wᵀ with w [out, in] kept as a GGUF file's Q4_1 / Q8_0 blocks (Q4_0 as Q4_1 blocks with
+    minimum −8d, the same values), run by forklm's AVX2 integer kernel (`forklm.kernels.block_gemm`:
+    activations quantized per row and block of 32, as llama.cpp does; each row's result depends on
+    that row alone) at every row count. keep_dense=True (opt-in, no file's default path) adds a
+    dense copy (`block_dense_dtype()`) for steps of more than `max_rows` rows. The model's
+    activations are float32 either way."""
+
+    stored_types: list[str] | None = None  # the GGUF types of the fused parts, where loaded from a file
 
     def __init__(self, blocks, dense_dtype: torch.dtype | None = None, max_rows: int | None = None,
                  keep_dense: bool = False):
@@ -353,6 +362,7 @@ class GGMLLinear(QuantizedLinear):
         if len({p.k for p in parts}) != 1:
             raise ValueError("fused GGUF tensors must share in_features")
         self.parts = parts
+        self.stored_types = [p.type_name for p in parts]
         self.kind = "+".join(dict.fromkeys(p.kind for p in parts))
         self.out_features, self.in_features = sum(p.n for p in parts), parts[0].k
         self.dtype = self.dense_dtype = torch.float32  # the kernel's activations
@@ -396,9 +406,16 @@ def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.de
     from forklm.kernels import ggml_gemm
 
     kinds = {p.type_name for p in parts}
-    if len(kinds) == 1 and kinds <= {"Q4_1", "Q8_0"} and block_kernel_available():
+    if (kinds <= {"Q4_0", "Q4_1"} or kinds == {"Q8_0"}) and block_kernel_available():
         blocks = [stored_block_quantized(p) for p in parts]
-        return BlockLinear((BlockQuantized.cat(blocks) if len(blocks) > 1 else blocks[0]).to_block_weights())
+        try:
+            packed = (BlockQuantized.cat(blocks) if len(blocks) > 1 else blocks[0]).to_block_weights()
+        except ValueError:  # a Q4_0 scale whose minimum −8d overflows float16: ggml's kernel instead
+            packed = None
+        if packed is not None:
+            lin = BlockLinear(packed)
+            lin.stored_types = [p.type_name for p in parts]
+            return lin
     unknown = sorted(kinds - set(ggml_gemm.GGML_TYPE_IDS))
     if unknown:
         raise UnsupportedModelError(f"GGUF tensor type {unknown[0]} is not supported (forklm runs "
