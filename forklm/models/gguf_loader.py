@@ -12,7 +12,7 @@ import torch
 
 from forklm.config import ModelConfig, RopeConfig
 from forklm.errors import ModelFileError, UnsupportedModelError
-from forklm.tokenizer import Tokenizer, gguf_metadata
+from forklm.tokenizer import Tokenizer
 
 _ARCHITECTURES = ("llama", "qwen2")
 
@@ -44,15 +44,14 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConf
     comes back as the file's bytes (`forklm.kernels.ggml_gemm.GGMLWeights`, a view of the memory-
     mapped file; the q/k rope permutation recorded as a row order, not applied) instead of float32;
     1-D tensors and F32 matrices are float32 as before."""
-    import gguf  # imported here: only GGUF loading needs it
+    from forklm.models.gguf_file import read_gguf
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     try:
-        reader = gguf.GGUFReader(path)
-        meta = gguf_metadata(reader)
-    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad or truncated files
+        meta, tensors = read_gguf(path)
+    except Exception as e:  # ValueError/struct errors on bad or truncated files
         raise ModelFileError(f"{path}: not a valid GGUF file or truncated ({type(e).__name__}: {e})") from None
 
     arch = meta.get("general.architecture")
@@ -63,7 +62,7 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConf
         tokenizer = Tokenizer.from_gguf_fields(meta)
     except (ModelFileError, UnsupportedModelError) as e:
         raise type(e)(f"{path}: {e}") from None
-    infos = {t.name: t for t in reader.tensors}
+    infos = {t.name: t for t in tensors}
     config = _config_of(meta, arch, infos, tokenizer, path)
 
     expected = _expected_shapes(config)
@@ -91,7 +90,7 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConf
             else:  # the same permutation recorded: Hugging Face row i is stored row order[i]
                 w.row_order = _unpermute(torch.arange(shape[0]), heads)
         weights[hf_name] = w
-    del reader, infos
+    del tensors, infos
     missing = [n for n in expected if n not in weights]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
