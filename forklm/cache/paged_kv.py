@@ -52,7 +52,19 @@ def _zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     nbytes = torch.empty((), dtype=dtype).element_size()
     for n in shape:
         nbytes *= n
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    # numpy asks the kernel for transparent huge pages on large arrays (madvise): the first write to
+    # each layer's K and V then commits 2 MB at once (240 MB for a 16-token prompt on a 30-layer
+    # model); 4 KB pages keep the resident pool to the slots written
+    from numpy._core import multiarray
+
+    toggle = getattr(multiarray, "_set_madvise_hugepage", None)
+    was = toggle(False) if toggle is not None else None
+    try:
+        zeros = np.zeros(nbytes, dtype=np.uint8)
+    finally:
+        if toggle is not None:
+            toggle(was)
+    return torch.from_numpy(zeros).view(dtype).view(shape)
 
 
 class PagedKVCache:

@@ -109,6 +109,7 @@ class GGMLWeights:
     n: int
     k: int
     row_order: torch.Tensor | None = None  # int64 [n]
+    mapped: bool = False  # data is a view of the read-only file mapping (its pages may be released)
 
     @property
     def kind(self) -> str:

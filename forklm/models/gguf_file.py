@@ -76,6 +76,26 @@ class _Cursor:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
+def release_pages(view) -> None:
+    """Drops the pages of a view of the read-only file mapping from this process's resident set
+    (madvise DONTNEED: they stay in the page cache and read back on a later touch). Called once a
+    tensor is repacked into memory of its own, so the file's copy and the repacked one are never both
+    counted at the peak. A no-op where madvise is unavailable."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    addr = view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data
+    nbytes = view.numel() * view.element_size() if hasattr(view, "numel") else view.nbytes
+    page = mmap.PAGESIZE
+    start, end = (addr + page - 1) // page * page, (addr + nbytes) // page * page
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """(metadata, tensors) of a GGUF v2/v3 little-endian file; ValueError on a bad or truncated one."""
     import gguf  # the tensor type enum and block sizes

@@ -141,7 +141,7 @@ def _blocks(info: Any, shape: tuple[int, ...]) -> Any:
     with warnings.catch_warnings():  # the file is mapped read-only; forklm never writes to weights
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(raw)
-    return GGMLWeights(data, kind, shape[0], shape[1])
+    return GGMLWeights(data, kind, shape[0], shape[1], mapped=True)
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

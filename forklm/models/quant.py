@@ -399,6 +399,42 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
     return read_gguf_blocks(w.type_name, raw.numpy(), (w.n, w.k))
 
 
+def stored_block_weights(parts: list[GGMLWeights]):
+    """GGUF Q4_1 / Q4_0 parts (or Q8_0 parts) fused along `out`, in the block kernel's layout, sliced
+    straight from the stored bytes (its 4-bit layout is GGUF's own: value j in the low nibble of byte
+    j, value j + 16 in the high one), no values unpacked. Q4_0 becomes Q4_1 with minimum −8d (exact;
+    ValueError where −8d overflows float16)."""
+    from forklm.kernels import block_gemm
+
+    qs, ds, ms = [], [], []
+    for p in parts:
+        raw = p.stored_rows(torch.arange(p.n)) if p.row_order is not None else p.data
+        blocks = raw.reshape(p.n, p.k // 32, -1)
+        d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        if p.type_name == "Q4_1":
+            ms.append(blocks[..., 2:4].contiguous().view(torch.float16)[..., 0])
+            qs.append(blocks[..., 4:20].reshape(p.n, p.k // 2))
+        elif p.type_name == "Q4_0":
+            m = (d.float() * -8).half()
+            if not torch.isfinite(m).all():
+                raise ValueError("a Q4_0 block's minimum −8d overflows float16")
+            ms.append(m)
+            qs.append(blocks[..., 2:18].reshape(p.n, p.k // 2))
+        else:  # Q8_0
+            qs.append(blocks[..., 2:34].reshape(p.n, p.k).view(torch.int8))
+        ds.append(d)
+    n, k = sum(p.n for p in parts), parts[0].k
+    q, d = torch.cat(qs).contiguous(), torch.cat(ds).contiguous()
+    from forklm.models.gguf_file import release_pages
+
+    for p in parts:  # repacked: the file's pages of these tensors leave the resident set
+        if p.mapped:
+            release_pages(p.data)
+    if parts[0].type_name == "Q8_0":
+        return block_gemm.BlockWeights("q8_0", q, d, None, n, k)
+    return block_gemm.BlockWeights("q4_1", q, d, block_gemm.block_minima(torch.cat(ms)), n, k)
+
+
 def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.device):
     """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): Q4_1 or Q8_0
     parts all of one type on forklm's block kernel (its layout, repacked once), any other mix on
@@ -407,9 +443,8 @@ def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.de
 
     kinds = {p.type_name for p in parts}
     if (kinds <= {"Q4_0", "Q4_1"} or kinds == {"Q8_0"}) and block_kernel_available():
-        blocks = [stored_block_quantized(p) for p in parts]
         try:
-            packed = (BlockQuantized.cat(blocks) if len(blocks) > 1 else blocks[0]).to_block_weights()
+            packed = stored_block_weights(parts)
         except ValueError:  # a Q4_0 scale whose minimum −8d overflows float16: ggml's kernel instead
             packed = None
         if packed is not None:
