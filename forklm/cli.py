@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="forklm", description="Many samples from one context, fast and exact (bifurcated attention)."
     )
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{sample,serve,bench,bench-serve,bench-kernel,bench-constrained,bench-spec,bench-budget}")
+                                metavar="{sample,info,serve,bench,bench-serve,bench-kernel,bench-constrained,bench-spec,bench-budget}")
 
     s = sub.add_parser("sample", help="draw n samples of one prompt", description="Draw n samples of one prompt; "
                        "print the best few by mean log-probability and a stats line.")
@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "peak RSS and load time per file (default: none, the model file as given)")
     b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
     b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    i = sub.add_parser("info", help="CPU features, native kernels built or why not, and how a model's weights run",
+                       description="What this machine and a model get: the CPU features forklm's rules see, each "
+                                   "native kernel built or why not, and per weight its stored type, kernel, layout and memory.")
+    _add_model_args(i)
+    i.add_argument("--no-model", action="store_true", help="the machine only (no model loaded)")
+    i.add_argument("--json", action="store_true", help="print JSON")
+
     from forklm.bench.serve_workload import build_parser as serve_parser
     from forklm.bench.constrained import build_parser as constrained_parser
     from forklm.bench.kernel_bench import build_parser as kernel_parser
@@ -94,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "sample":
             return _sample(args)
+        if args.command == "info":
+            return _info(args)
         if args.command == "serve":
             from forklm.server.cli import run as serve
 
@@ -127,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, MemoryError, OSError) as e:
         print(f"forklm: error: {e}", file=sys.stderr)
         return 2
+
+
+def _info(args: argparse.Namespace) -> int:
+    from forklm import LLM
+    from forklm.info import format_report, report
+
+    llm = None if args.no_model else LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    doc = report(llm)
+    print(json.dumps(doc, indent=1) if args.json else format_report(doc))
+    return 0
 
 
 def _sample(args: argparse.Namespace) -> int:

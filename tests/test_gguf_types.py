@@ -145,3 +145,20 @@ def test_without_ggml_a_k_quant_file_is_refused_and_the_float_path_runs(kquant_g
     env = dict(os.environ, FORKLM_GGML="0")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_forklm_info_names_each_weights_kernel(kquant_gguf, capsys):
+    import json
+
+    from forklm.cli import main
+
+    assert main(["info", "--model", str(kquant_gguf), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "avx2" in doc["cpu features forklm's rules see"]
+    assert doc["kernels"]["ggml dot products (every other GGUF type)"].startswith("built")
+    layers = doc["model"]["layers"]
+    assert any(k.startswith("down: Q6_K as stored -> ggml") for k in layers)
+    assert any(k.startswith("gate_up: Q5_0+Q5_0 as stored -> ggml") for k in layers)
+    assert doc["model"]["decode stack"].startswith("off (")  # and why
+    assert main(["info", "--no-model"]) == 0
+    assert "block kernel" in capsys.readouterr().out

@@ -1,0 +1,137 @@
+"""`forklm info`: what this machine and a model get, in one place: the CPU features forklm's rules
+see, each native kernel built or why not, and per weight of the model its stored type, the kernel
+and layout it runs on, dtype and memory."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections import Counter
+from typing import Any
+
+import torch
+
+from forklm.device import cpu_flags
+
+FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kernels_report() -> dict[str, str]:
+    """Each native kernel: "built" (and which build) or why it does not run here."""
+    from forklm.kernels import block_gemm, cpu_attention, cpu_sampler, decode_stack, ggml_gemm
+
+    def state(err: str | None, built: str = "built") -> str:
+        return built if err is None else f"not available: {err}"
+
+    block = state(block_gemm.build_error(), "built (AVX512-VNNI)" if block_gemm.uses_vnni() else "built (AVX2)")
+    return {
+        "block kernel (Q4_1, Q4_0, Q8_0)": block,
+        "ggml dot products (every other GGUF type)": state(ggml_gemm.build_error(), f"built ({ggml_gemm.ggml_dir()})"),
+        "C++ attention": state(cpu_attention.build_error()),
+        "C++ sampler": state(cpu_sampler.build_error()),
+        "decode stack": state(decode_stack.build_error()),
+    }
+
+
+def _placement(w: Any) -> str:
+    from forklm.models.quant import BlockLinear, GGMLLinear, QuantizedLinear
+
+    if isinstance(w, GGMLLinear):
+        return f"{'+'.join(w.stored_types)} as stored -> ggml dot products (activations as {_dot_types(w)})"
+    if isinstance(w, BlockLinear):
+        stored = "+".join(w.stored_types) if w.stored_types else "from float"
+        copy = f", dense {w.dense.dtype} copy above {w.max_rows} rows" if w.dense is not None else ""
+        return f"{stored} -> block kernel ({w.blocks.kind} layout, Q8 activations{copy})"
+    if isinstance(w, QuantizedLinear):
+        copy = f", dense {w.dense.dtype} copy above {w.max_rows} rows" if w.dense is not None else ""
+        return f"{w.kind} -> PyTorch's {w.kind} kernel ({w.dtype} activations{copy})"
+    return f"dense {w.dtype} ({'x @ W' if w.shape[0] != w.shape[1] else 'dense'})"
+
+
+def _dot_types(w: Any) -> str:
+    from forklm.kernels import ggml_gemm
+
+    return "+".join(dict.fromkeys(ggml_gemm.vec_dot_type(p.type_name) for p in w.parts))
+
+
+def _bytes(w: Any) -> int:
+    from forklm.models.quant import QuantizedLinear
+
+    ts = w.tensors() if isinstance(w, QuantizedLinear) else [w]
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def model_report(llm: Any) -> dict[str, Any]:
+    m = llm.model
+    groups: Counter = Counter()
+    sizes: Counter = Counter()
+    for layer in m.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            key = f"{name}: {_placement(layer[name])}"
+            groups[key] += 1
+            sizes[key] += _bytes(layer[name])
+    stack = m.prepare_decode_stack()
+    report = {
+        "source": str(llm.source), "architecture": llm.config.architecture, "dtype": str(llm.dtype).replace("torch.", ""),
+        "quantize": llm.quantize,
+        "layers": {k: f"{v} layers, {sizes[k] / 2**20:.1f} MiB" for k, v in groups.items()},
+        "lm_head": f"{_placement(m.lm_head)}, {_bytes(m.lm_head) / 2**20:.1f} MiB",
+        "embedding": "rows looked up in the LM head's weights" if m.embed is None and m.lm_head is not None
+                     and getattr(m, "_embed_rows", None) is not None else "dense table",
+        "decode stack": "on" if stack is not None else "off (" + _why_no_stack(m) + ")",
+        "weights resident": f"{m.num_weight_bytes() / 2**20:.1f} MiB",
+    }
+    return report
+
+
+def _why_no_stack(m: Any) -> str:
+    from forklm.kernels import decode_stack
+    from forklm.models.quant import BlockLinear
+
+    if decode_stack.build_error() is not None:
+        return decode_stack.build_error()
+    if m.dtype != torch.float32:
+        return f"it runs float32 models, this one is {m.dtype}"
+    for i, layer in enumerate(m.layers):
+        for n in ("qkv", "o", "gate_up", "down"):
+            if not isinstance(layer[n], BlockLinear):
+                return f"layer {i}'s {n} does not run on the block kernel"
+            if layer.get(f"{n}_bias") is not None:
+                return f"layer {i}'s {n} has a bias"
+    return "not built"
+
+
+def report(llm: Any | None = None) -> dict[str, Any]:
+    flags = cpu_flags()
+    doc = {
+        "cpu": _cpu_name(),
+        "cpu features forklm's rules see": " ".join(f for f in FLAGS_SHOWN if f in flags) or "none of " + ", ".join(FLAGS_SHOWN),
+        "FORKLM_CPU_ISA": os.environ.get("FORKLM_CPU_ISA", "native"),
+        "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
+        "kernels": kernels_report(),
+    }
+    if llm is not None:
+        doc["model"] = model_report(llm)
+    return doc
+
+
+def format_report(doc: dict[str, Any], indent: int = 0) -> str:
+    lines = []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            lines.append(" " * indent + f"{key}:")
+            lines.append(format_report(value, indent + 2))
+        else:
+            lines.append(" " * indent + f"{key}: {value}")
+    return "\n".join(lines)
