@@ -39,9 +39,10 @@ def count_stack_steps(monkeypatch) -> dict[str, int]:
     return calls
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram"])
-@pytest.mark.parametrize("kv_dtype", ["float16", "model"])
-def test_engine_on_the_stack_equals_the_layer_loop(monkeypatch, speculative, kv_dtype):
+@pytest.mark.parametrize("speculative, kv_dtype, qkv_bias", [(None, "float16", False), (None, "model", False),
+                                                              ("ngram", "float16", False), ("ngram", "model", False),
+                                                              (None, "float16", True), ("ngram", "model", True)])
+def test_engine_on_the_stack_equals_the_layer_loop(monkeypatch, speculative, kv_dtype, qkv_bias):
     """Shared prompts, n = 2 (steps of up to 6 rows: within the kernel's 8 on every CPU), chunked
     prefill beside decode rows (those steps keep the loop), multi-token extends (speculation): the
     same tokens and log-probabilities bit for bit."""
@@ -49,6 +50,10 @@ def test_engine_on_the_stack_equals_the_layer_loop(monkeypatch, speculative, kv_
     from forklm.sampling.params import SamplingParams
 
     model = tiny_block_model()
+    if qkv_bias:  # Qwen2's q/k/v biases: on the stack too
+        g = torch.Generator().manual_seed(11)
+        for layer in model.layers:
+            layer["qkv_bias"] = torch.randn(layer["qkv"].out_features, generator=g) * 0.5
     calls = count_stack_steps(monkeypatch)
     rng = random.Random(3)
     system = [rng.randrange(29) for _ in range(37)]

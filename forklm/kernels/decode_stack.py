@@ -55,14 +55,18 @@ class DecodeStack:
 
 def build(model) -> DecodeStack | None:
     """The stack for a Llama-type model (`forklm.models.llama.LlamaModel`) whose every layer runs on
-    the block kernel (float32, GGUF blocks, no biases), else None."""
+    the block kernel (float32, GGUF blocks; q/k/v biases as Qwen2 has, no other biases), else None."""
     from forklm.models.quant import BlockLinear
 
     names = ("qkv", "o", "gate_up", "down")
     if model.dtype != torch.float32:
         return None
     for layer in model.layers:
-        if any(not isinstance(layer[n], BlockLinear) or layer.get(f"{n}_bias") is not None for n in names):
+        if any(not isinstance(layer[n], BlockLinear) for n in names):
+            return None
+        if any(layer.get(f"{n}_bias") is not None for n in ("o", "gate_up", "down")):  # q/k/v biases run on it
+            return None
+        if layer.get("qkv_bias") is not None and layer["qkv_bias"].dtype != torch.float32:
             return None
     if not available():  # (built here on first use: only for models that qualify)
         return None
@@ -71,5 +75,6 @@ def build(model) -> DecodeStack | None:
         [t for layer in model.layers for t in (layer["attn_norm"], layer["mlp_norm"])],
         [w.blocks.qs for w in mats], [w.blocks.d for w in mats], [w.blocks.m for w in mats],
         [w.blocks.kind == "q4_1" for w in mats], float(model.config.rms_norm_eps), model.config.num_heads,
+        [layer.get("qkv_bias") for layer in model.layers],
     )
     return DecodeStack(kernel, min(w.max_rows for w in mats))

@@ -292,9 +292,10 @@ class LlamaModel:
         return isinstance(w, BlockLinear) and bias is None and x.shape[0] <= w.max_rows and x.dtype == torch.float32
 
     def _norm_linear(self, x: torch.Tensor, norm: torch.Tensor, eps: float, w, bias) -> torch.Tensor:
-        """linear(rms_norm(x))"""
-        if self._fuses(w, x, bias):
-            return w.kernel(x, norm_weight=norm, eps=eps)
+        """linear(rms_norm(x)) (+ bias, added after the product as the decode stack adds it)"""
+        if self._fuses(w, x, None) and (bias is None or bias.dtype == torch.float32):
+            y = w.kernel(x, norm_weight=norm, eps=eps)
+            return y if bias is None else y + bias
         return self._linear(rms_norm(x, norm, eps), w, bias)
 
     def _linear_add(self, a: torch.Tensor, w, bias, residual: torch.Tensor) -> torch.Tensor:
