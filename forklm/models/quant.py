@@ -405,34 +405,39 @@ def stored_block_weights(parts: list[GGMLWeights]):
     j, value j + 16 in the high one), no values unpacked. Q4_0 becomes Q4_1 with minimum −8d (exact;
     ValueError where −8d overflows float16)."""
     from forklm.kernels import block_gemm
-
-    qs, ds, ms = [], [], []
-    for p in parts:
-        raw = p.stored_rows(torch.arange(p.n)) if p.row_order is not None else p.data
-        blocks = raw.reshape(p.n, p.k // 32, -1)
-        d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
-        if p.type_name == "Q4_1":
-            ms.append(blocks[..., 2:4].contiguous().view(torch.float16)[..., 0])
-            qs.append(blocks[..., 4:20].reshape(p.n, p.k // 2))
-        elif p.type_name == "Q4_0":
-            m = (d.float() * -8).half()
-            if not torch.isfinite(m).all():
-                raise ValueError("a Q4_0 block's minimum −8d overflows float16")
-            ms.append(m)
-            qs.append(blocks[..., 2:18].reshape(p.n, p.k // 2))
-        else:  # Q8_0
-            qs.append(blocks[..., 2:34].reshape(p.n, p.k).view(torch.int8))
-        ds.append(d)
-    n, k = sum(p.n for p in parts), parts[0].k
-    q, d = torch.cat(qs).contiguous(), torch.cat(ds).contiguous()
     from forklm.models.gguf_file import release_pages
 
-    for p in parts:  # repacked: the file's pages of these tensors leave the resident set
-        if p.mapped:
+    n, k, nb = sum(p.n for p in parts), parts[0].k, parts[0].k // 32
+    q8 = parts[0].type_name == "Q8_0"
+    # the outputs allocated once and each part copied into its rows: one copy of the weights at a time
+    q = torch.empty(n, nb, 32 if q8 else 16, dtype=torch.uint8)
+    d = torch.empty(n, nb, 2, dtype=torch.uint8)
+    m = None if q8 else torch.empty(n, nb, 2, dtype=torch.uint8)
+    r = 0
+    for p in parts:
+        raw = p.stored_rows(torch.arange(p.n)) if p.row_order is not None else p.data
+        blocks = raw.view(p.n, nb, -1)
+        rows = slice(r, r + p.n)
+        d[rows] = blocks[..., 0:2]
+        if p.type_name == "Q4_1":
+            m[rows] = blocks[..., 2:4]
+            q[rows] = blocks[..., 4:20]
+        elif p.type_name == "Q4_0":
+            mins = (blocks[..., 0:2].contiguous().view(torch.float16).float() * -8).half()
+            if not torch.isfinite(mins).all():
+                raise ValueError("a Q4_0 block's minimum −8d overflows float16")
+            m[rows] = mins.view(torch.uint8).view(p.n, nb, 2)
+            q[rows] = blocks[..., 2:18]
+        else:  # Q8_0
+            q[rows] = blocks[..., 2:34]
+        r += p.n
+        if p.mapped:  # repacked: the file's pages of this tensor leave the resident set
             release_pages(p.data)
-    if parts[0].type_name == "Q8_0":
-        return block_gemm.BlockWeights("q8_0", q, d, None, n, k)
-    return block_gemm.BlockWeights("q4_1", q, d, block_gemm.block_minima(torch.cat(ms)), n, k)
+    d = d.view(torch.float16).view(n, nb)
+    if q8:
+        return block_gemm.BlockWeights("q8_0", q.view(n, k).view(torch.int8), d, None, n, k)
+    minima = block_gemm.block_minima(m.view(torch.float16).view(n, nb))
+    return block_gemm.BlockWeights("q4_1", q.view(n, k // 2), d, minima, n, k)
 
 
 def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.device):
