@@ -66,11 +66,14 @@ def bigram_weights(shape: dict, succ: torch.Tensor, sharpness: float, residual: 
 
 
 def build_pair(agreement: float, quantize: str | None, sharpness: float = 16.0, residual: float = 0.05,
-               seed: int = 0, target_shape: dict = TARGET_SHAPE, draft_shape: dict = DRAFT_SHAPE):
+               seed: int = 0, target_shape: dict | None = None, draft_shape: dict | None = None):
     """(target LlamaModel, draft LlamaModel) in float32 on CPU, weights quantized by `quantize`."""
     from forklm.models.llama import LlamaModel
     from forklm.models.random_weights import random_config
 
+    # the module's shapes read at call time (a default bound at definition ignores a patched module)
+    target_shape = TARGET_SHAPE if target_shape is None else target_shape
+    draft_shape = DRAFT_SHAPE if draft_shape is None else draft_shape
     succ, draft_succ = successor_maps(target_shape["vocab_size"], agreement, seed)
     models = []
     for shape, s, k in ((target_shape, succ, 0), (draft_shape, draft_succ, 1)):
