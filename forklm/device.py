@@ -41,6 +41,20 @@ def cpu_flags() -> frozenset[str]:
     return flags
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else what the platform module says)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16).
 

@@ -5,26 +5,14 @@ and layout it runs on, dtype and memory."""
 from __future__ import annotations
 
 import os
-import platform
 from collections import Counter
 from typing import Any
 
 import torch
 
-from forklm.device import cpu_flags
+from forklm.device import cpu_flags, cpu_model
 
 FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def kernels_report() -> dict[str, str]:
@@ -56,7 +44,7 @@ def _placement(w: Any) -> str:
     if isinstance(w, QuantizedLinear):
         copy = f", dense {w.dense.dtype} copy above {w.max_rows} rows" if w.dense is not None else ""
         return f"{w.kind} -> PyTorch's {w.kind} kernel ({w.dtype} activations{copy})"
-    return f"dense {w.dtype} ({'x @ W' if w.shape[0] != w.shape[1] else 'dense'})"
+    return f"dense {w.dtype}"
 
 
 def _dot_types(w: Any) -> str:
@@ -87,8 +75,7 @@ def model_report(llm: Any) -> dict[str, Any]:
         "quantize": llm.quantize,
         "layers": {k: f"{v} layers, {sizes[k] / 2**20:.1f} MiB" for k, v in groups.items()},
         "lm_head": f"{_placement(m.lm_head)}, {_bytes(m.lm_head) / 2**20:.1f} MiB",
-        "embedding": "rows looked up in the LM head's weights" if m.embed is None and m.lm_head is not None
-                     and getattr(m, "_embed_rows", None) is not None else "dense table",
+        "embedding": "dense table" if m.embed is not None else "rows dequantized from the stored table on lookup",
         "decode stack": "on" if stack is not None else "off (" + _why_no_stack(m) + ")",
         "weights resident": f"{m.num_weight_bytes() / 2**20:.1f} MiB",
     }
@@ -115,7 +102,7 @@ def _why_no_stack(m: Any) -> str:
 def report(llm: Any | None = None) -> dict[str, Any]:
     flags = cpu_flags()
     doc = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "cpu features forklm's rules see": " ".join(f for f in FLAGS_SHOWN if f in flags) or "none of " + ", ".join(FLAGS_SHOWN),
         "FORKLM_CPU_ISA": os.environ.get("FORKLM_CPU_ISA", "native"),
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",

@@ -7,18 +7,7 @@ import platform
 
 import torch
 
-from forklm.device import cpu_flags
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from forklm.device import cpu_flags, cpu_model
 
 
 def machine_info() -> dict:
