@@ -20,19 +20,50 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockQuantized:
     g = torch.Generator().manual_seed(seed)
     d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
-    if kind == "q4_1":
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    if kind in ("q4_1", "q5_1"):
+        q = torch.randint(0, 16 if kind == "q4_1" else 32, (n, k), generator=g, dtype=torch.uint8)
         m = (-torch.rand(n, k // 32, generator=g) * 0.4).half().float()
-        return BlockQuantized("q4_1", q, d, m)
+        return BlockQuantized(kind, q, d, m)
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # -128 too: the kernel's |w| edge
     return BlockQuantized("q8_0", q, d)
+
+
+def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
+    """Random blocks of any layout the kernel runs (K-quant scales: 6-bit integers under float16
+    super-block scales, as GGUF's Q4_K / Q5_K hold them)."""
+    if kind not in ("q4_k", "q5_k"):
+        return random_blocks(kind, n, k, seed).to_block_weights()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16 if kind == "q4_k" else 32, (n, k), generator=g, dtype=torch.uint8)
+    ds = (torch.rand(n, k // 256, generator=g) * 0.004 + 1e-4).half().float()
+    dm = (-torch.rand(n, k // 256, generator=g) * 0.01).half().float()
+    sc, mq = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    w = bg.pack_k_quant(q, ds, sc, dm, mq)
+    assert w.kind == kind
+    return w
+
+
+KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k"]
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("t, n, k", [(1, 64, 256), (2, 7, 512), (3, 97, 256), (4, 130, 768), (5, 3, 1536),
+                                     (9, 70, 256), (33, 65, 512), (1, 1, 256)])
+def test_k_quant_gemm_matches_reference(kind, t, n, k):
+    w = random_weights(kind, n, k, seed=t * 1000 + n + k)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(n)) * torch.rand(t, 1) * 4
+    y = bg.gemm(x, w)
+    assert rel_err(y, bg.gemm_reference(x, w)) < 1e-5
+    assert rel_err(y, x.double() @ w.dequantize().double().t()) < 0.02
+    q, d, m = w.unpack()  # the K-quant scales as GGUF forms them: ds·sc and −dmin·mq
+    assert torch.equal(d, w.d.float().repeat_interleave(8, 1) * w.sc.float())
 
 
 def test_kernel_builds_here():
     assert bg.build_error() is None  # x86 CI with AVX2: a failed build must not pass silently
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0"])
 @pytest.mark.parametrize("t, n, k", [(1, 64, 64), (2, 7, 32), (3, 97, 576), (4, 130, 96), (5, 3, 1536),
                                      (9, 70, 160), (33, 65, 576), (1, 1, 32)])
 def test_gemm_matches_reference(kind, t, n, k):
@@ -46,17 +77,18 @@ def test_gemm_matches_reference(kind, t, n, k):
     assert rel_err(y, x.double() @ b.dequantize().double().t()) < 0.02
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_each_row_depends_on_that_row_alone(kind):
     """Bit for bit: a row computed alone, in any tile position, or beside other rows."""
-    w = random_blocks(kind, 131, 576, seed=3).to_block_weights()
-    x = torch.randn(13, 576)
+    k = 512 if kind.endswith("_k") else 576
+    w = random_weights(kind, 131, k, seed=3)
+    x = torch.randn(13, k)
     together = bg.gemm(x, w)
     alone = torch.cat([bg.gemm(x[i : i + 1], w) for i in range(13)])
     assert torch.equal(together, alone)
     shuffled = torch.randperm(13)
     assert torch.equal(bg.gemm(x[shuffled], w), together[shuffled])
-    assert torch.equal(bg.gemm(torch.cat([x[5:6], torch.randn(6, 576)]), w)[0], together[5])
+    assert torch.equal(bg.gemm(torch.cat([x[5:6], torch.randn(6, k)]), w)[0], together[5])
 
 
 def test_activation_quantization_is_the_reference_bit_for_bit():
@@ -72,7 +104,7 @@ def test_activation_quantization_is_the_reference_bit_for_bit():
 
 
 def test_block_weights_round_trip_the_gguf_values():
-    for kind in ("q4_1", "q8_0"):
+    for kind in ("q4_1", "q5_1", "q8_0"):
         b = random_blocks(kind, 40, 96, seed=7)
         w = b.to_block_weights()
         assert torch.equal(w.dequantize(), b.dequantize())  # the float loader's values, bit for bit
@@ -171,7 +203,7 @@ def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_
     assert (prefill.argmax(-1) == ref_prefill.argmax(-1)).float().mean() >= 0.75
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0"])
 @pytest.mark.parametrize("t", [1, 3, 6])
 def test_fused_prologues_and_residual_match_their_operators(kind, t):
     """RMSNorm and SwiGLU before the quantization, the residual add after: against the same steps
@@ -241,7 +273,7 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     assert quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.bfloat16).kind == "int4"
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0"])
 def test_non_finite_activations_reach_the_output_and_tiny_blocks_are_zero(kind):
     w = random_blocks(kind, 40, 64, seed=9).to_block_weights()
     x = torch.randn(4, 64)
@@ -273,42 +305,46 @@ def test_step_breakdown_bench_counts_the_kernel_calls(smollm2_gguf):
 
 
 @pytest.mark.skipif(not bg.uses_vnni(), reason="this CPU has no AVX512-VNNI: the kernel runs its AVX2 build")
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_vnni_build_equals_the_avx2_build_bit_for_bit(kind):
     """The AVX512-VNNI variant sums the same integers in fewer instructions: every product, plain
     and fused, equals the AVX2 build's bit for bit (at every tile shape: rows 1-5 and 9)."""
     avx2 = bg.load_cpu_extension("forklm_block_gemm", bg._SOURCE)
     vnni = bg._extension()
     assert avx2 is not vnni and "vnni" in vnni.__name__  # the VNNI build, not a silent fallback
-    w = random_blocks(kind, 197, 640, seed=11).to_block_weights()
+    k = 768 if kind.endswith("_k") else 640
+    w = random_weights(kind, 197, k, seed=11)
     for t in (1, 2, 3, 4, 5, 9):
-        x = torch.randn(t, 640) * 3
+        x = torch.randn(t, k) * 3
         res = torch.randn(t, 197)
-        args = (w.qs, w.d, w.m) if kind == "q4_1" else (w.qs, w.d)
-        fn = "gemm_q4_1" if kind == "q4_1" else "gemm_q8_0"
-        for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, torch.rand(640) + 0.5, res)):
+        args = w.kernel_arrays()
+        fn = f"gemm_{kind}"
+        for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, torch.rand(k) + 0.5, res)):
             a = getattr(avx2, fn)(x, *args, mode, nw, 1e-5, r)
             b = getattr(vnni, fn)(x, *args, mode, nw, 1e-5, r)
             assert torch.equal(a, b), (t, mode)
         assert torch.equal(bg.gemm(x, w), getattr(avx2, fn)(x, *args, bg.PLAIN, None, 0.0, None))
 
 
-def test_paired_row_tiles_equal_the_plain_tiles_bit_for_bit():
-    """Q4_1 tiles of 2-4 rows run `paired_tile` (activations paired once per call, scales spread):
-    every product, plain and fused, equals the `tile` build's (FORKLM_PAIRED_ROWS=0) bit for bit, at
-    every row count's mix of tiles and with an odd number of blocks (the last one alone)."""
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q4_k", "q5_k"])
+def test_paired_row_tiles_equal_the_plain_tiles_bit_for_bit(kind):
+    """Q4_1 / Q5_1 tiles of 2-4 rows run `paired_tile` (activations paired once per call, scales
+    spread): every product, plain and fused, equals the `tile` build's (FORKLM_PAIRED_ROWS=0) bit for
+    bit, at every row count's mix of tiles and with an odd number of blocks (the last one alone)."""
     plain = bg.load_cpu_extension("forklm_block_gemm_unpaired", bg._SOURCE, ("-DFORKLM_PAIRED_ROWS=0",))
     paired = bg._extension()
-    for k in (160, 640):
-        w = random_blocks("q4_1", 197, k, seed=k).to_block_weights()
-        for t in (2, 3, 4, 5, 6, 7, 8, 9, 13, 32):
+    for k in ((256, 768) if kind.endswith("_k") else (160, 640)):
+        w = random_weights(kind, 197, k, seed=k)
+        args = w.kernel_arrays()
+        fn = f"gemm_{kind}"
+        for t in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32):
             x = torch.randn(t, k) * 3
             res = torch.randn(t, 197)
             for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, torch.rand(k) + 0.5, res)):
-                a = plain.gemm_q4_1(x, w.qs, w.d, w.m, mode, nw, 1e-5, r)
-                b = paired.gemm_q4_1(x, w.qs, w.d, w.m, mode, nw, 1e-5, r)
+                a = getattr(plain, fn)(x, *args, mode, nw, 1e-5, r)
+                b = getattr(paired, fn)(x, *args, mode, nw, 1e-5, r)
                 assert torch.equal(a, b), (k, t, mode)
-            assert rel_err(paired.gemm_q4_1(x, w.qs, w.d, w.m, bg.PLAIN, None, 0.0, None), bg.gemm_reference(x, w)) < 1e-5
+            assert rel_err(getattr(paired, fn)(x, *args, bg.PLAIN, None, 0.0, None), bg.gemm_reference(x, w)) < 1e-5
 
 
 def test_auto_dtype_is_float32_where_the_weights_run_on_the_block_kernel(smollm2_gguf):

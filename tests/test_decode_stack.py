@@ -77,6 +77,71 @@ def test_engine_on_the_stack_equals_the_layer_loop(monkeypatch, speculative, kv_
             assert sa.token_ids == sb.token_ids and sa.logprobs == sb.logprobs
 
 
+def as_blocks(w: torch.Tensor, kind: str):
+    """float [N, K] -> forklm's block layout `kind`, rounded the plain way (min/max per block; K-quant
+    block scales and minima as 6-bit multiples of float16 super-block scales)."""
+    from forklm.kernels import block_gemm as bg
+    from forklm.models.quant import BlockQuantized
+
+    n, k = w.shape
+    blocks = w.float().view(n, k // 32, 32)
+    if kind == "q8_0":
+        d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(1e-6)
+        return BlockQuantized("q8_0", torch.round(blocks / d.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k),
+                              d).to_block_weights()
+    qmax = 15 if kind.startswith("q4") else 31
+    lo = blocks.amin(-1).clamp_max(0)
+    d = ((blocks.amax(-1) - lo) / qmax).clamp_min(1e-6)
+    if kind == "q5_1":
+        d, lo = d.half().float(), lo.half().float()
+        q = torch.round((blocks - lo.unsqueeze(-1)) / d.unsqueeze(-1)).clamp(0, qmax).to(torch.uint8).view(n, k)
+        return BlockQuantized("q5_1", q, d, lo).to_block_weights()
+    ds = (d.view(n, -1, 8).amax(-1) / 63).half().float()
+    dm = (lo.view(n, -1, 8).amin(-1) / 63).half().float().clamp_max(-1e-6)
+    sc = torch.round(d / ds.repeat_interleave(8, 1)).clamp(1, 63)
+    mq = torch.round(lo / dm.repeat_interleave(8, 1)).clamp(0, 63)
+    scale, minimum = (ds.repeat_interleave(8, 1) * sc).unsqueeze(-1), (dm.repeat_interleave(8, 1) * mq).unsqueeze(-1)
+    q = torch.round((blocks - minimum) / scale).clamp(0, qmax).to(torch.uint8).view(n, k)
+    if kind == "q5_k":
+        q[0, 0] = 31  # at least one value with its fifth bit
+    return bg.pack_k_quant(q, ds, sc.to(torch.uint8), dm, mq.to(torch.uint8))
+
+
+def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
+    """Q5_1 (GGUF Q5_0 / Q5_1), Q4_K, Q5_K and Q8_0 matrices mixed across a model's layers: the
+    stack's samples and log-probabilities equal the layer loop's bit for bit."""
+    from conftest import tiny_llama
+
+    from forklm.engine.engine import Engine, EngineConfig
+    from forklm.models.quant import BlockLinear
+    from forklm.sampling.params import SamplingParams
+
+    model = tiny_llama(29, 256, 4, 2, 64, 512, 2, torch.float32, seed=3, max_positions=1024, quantize="int4")
+    kinds = ["q5_1", "q4_k", "q5_k", "q8_0"]
+    for i, layer in enumerate(model.layers):
+        for j, name in enumerate(("qkv", "o", "gate_up", "down")):
+            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(i + j) % 4]))
+    assert {layer[n].kind for layer in model.layers for n in ("qkv", "o", "gate_up", "down")} == set(kinds)
+    calls = count_stack_steps(monkeypatch)
+    prompts = [[random.Random(i).randrange(29) for _ in range(30 + 7 * i)] for i in range(3)]
+    outs = {}
+    for on in (True, False):
+        use_stack(model, on)
+        assert (model._decode_stack is not None) == on
+        calls["n"] = 0
+        engine = Engine(model, lambda ids: " ".join(map(str, ids)), (), EngineConfig(
+            num_blocks=96, decode_kernel="cpu", block_size=8, max_batch_tokens=24))
+        states = [engine.add_request(p, SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=i))
+                  for i, p in enumerate(prompts)]
+        engine.run()
+        engine.check_integrity()
+        outs[on] = [st.output for st in states]
+        assert (calls["n"] > 5) == on
+    for a, b in zip(outs[True], outs[False]):
+        for sa, sb in zip(a.samples, b.samples):
+            assert sa.token_ids == sb.token_ids and sa.logprobs == sb.logprobs
+
+
 def test_default_model_samples_the_same_on_the_stack(monkeypatch, smollm2_gguf):
     """SmolLM2's GGUF blocks (Q4_1 layers), one sample and eight sharing a prompt."""
     from forklm import LLM
@@ -108,7 +173,9 @@ def test_a_malformed_stack_is_refused_with_a_message():
     ext = decode_stack._extension()
     layer = model.layers[0]
     with pytest.raises(RuntimeError, match="2 norms and 4 block matrices per layer"):
-        ext.DecodeStack([layer["attn_norm"]], [], [], [], [], 1e-5, 4)
+        ext.DecodeStack([layer["attn_norm"]], [], [], 1e-5, 4)
+    with pytest.raises(RuntimeError, match="unknown block layout q9_9"):
+        ext.DecodeStack([layer["attn_norm"], layer["mlp_norm"]], ["q9_9"] * 4, [[]] * 4, 1e-5, 4)
 
 
 def test_the_environment_switch_turns_the_stack_off():

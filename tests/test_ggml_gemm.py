@@ -129,3 +129,31 @@ def test_bad_shapes_are_clear_errors():
         ggml_gemm._extension().gemm(torch.randn(2, 128), rows[:, :72].contiguous(), w.type_id, 128)
     with pytest.raises(RuntimeError, match="bytes"):
         ggml_gemm._extension().gemm(torch.randn(2, 256), rows[:, :100].contiguous(), w.type_id, 256)
+
+
+@pytest.mark.parametrize("types, k", [
+    (types, k) for types in (["Q5_0"], ["Q5_1"], ["Q4_0", "Q5_1", "Q4_1"], ["Q5_0", "Q5_0", "Q5_1"], ["Q8_0"])
+    for k in (96, 576)  # an odd number of blocks (the last one alone) and the default model's
+] + [(types, k) for types in (["Q4_K"], ["Q5_K"], ["Q4_K", "Q5_K", "Q4_K"]) for k in (256, 1536)])
+def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K bytes repacked once for forklm's block kernel
+    (quant.stored_block_weights: Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks with minimum −8d / −16d; the
+    K-quants' values in Q4_1's order, their 6-bit scales a byte each) hold the values gguf's numpy
+    dequantization gives, bit for bit, fused parts of mixed types and a permuted row order included;
+    the kernel's product is its slow reference's."""
+    from forklm.models import quant
+
+    gen = torch.Generator().manual_seed(zlib.crc32("".join(types).encode()) + k)
+    parts, want = [], []
+    for i, t in enumerate(types):
+        n = 24 + 8 * i + 3
+        rows = random_rows(t, n, k, gen)
+        order = torch.randperm(n, generator=gen) if i == 0 else None  # HF row i stored at order[i]
+        parts.append(ggml_gemm.GGMLWeights(rows, t, n, k, row_order=order))
+        values = gguf_dequantize(rows, t)
+        want.append(values if order is None else values[order])
+    w = quant.stored_block_weights(parts)
+    assert w.kind == quant.block_kernel_kind(types)
+    assert torch.equal(w.dequantize(), torch.cat(want))
+    x = torch.randn(5, k, generator=gen)
+    assert ((block_gemm.gemm(x, w) - block_gemm.gemm_reference(x, w)).norm() / block_gemm.gemm_reference(x, w).norm()) < 1e-5

@@ -54,8 +54,9 @@ def test_every_type_runs_as_stored_with_no_dense_copy(zoo_gguf, zoo_llms):
             w = layer[name]
             assert isinstance(w, (GGMLLinear, BlockLinear)) and w.dense is None, (name, w)
             kinds.update(w.stored_types)
-            if set(w.stored_types) <= {"Q4_0", "Q4_1"} or set(w.stored_types) == {"Q8_0"}:
-                assert isinstance(w, BlockLinear)  # forklm's block kernel (Q4_0 as Q4_1 blocks, exactly)
+            if quant.block_kernel_kind(w.stored_types) is not None:
+                # forklm's block kernel (Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks, exactly)
+                assert isinstance(w, BlockLinear), (name, w.stored_types)
             else:
                 assert isinstance(w, GGMLLinear)
     assert kinds >= {"Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q8_0", "Q4_1", "F16", "BF16",
@@ -111,7 +112,7 @@ def test_engine_features_on_a_k_quant_file(kquant_gguf):
 
     llm = LLM(str(kquant_gguf))
     m = llm.model
-    assert {w.kind for w in (m.layers[0]["down"], m.layers[0]["gate_up"])} == {"q6_k", "q5_0"}
+    assert {w.kind for w in (m.layers[0]["down"], m.layers[0]["gate_up"])} == {"q6_k", "q5_1"}  # Q5_0 as Q5_1 blocks
     plain = llm.sample("1, 2, 3, 4, 5, 6, 7, 8,", n=4, max_tokens=16, temperature=0.0)
     spec = llm.sample("1, 2, 3, 4, 5, 6, 7, 8,", n=4, max_tokens=16, temperature=0.0, speculative="ngram")
     assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
@@ -138,7 +139,7 @@ def test_without_ggml_a_k_quant_file_is_refused_and_the_float_path_runs(kquant_g
         "    LLM(path)\n"
         "    sys.exit('loaded without its kernels')\n"
         "except UnsupportedModelError as e:\n"
-        "    assert 'Q5_0' in str(e) and 'quantize=None' in str(e) and 'FORKLM_GGML=0' in str(e), e\n"
+        "    assert 'Q8_0' in str(e) and 'quantize=None' in str(e) and 'FORKLM_GGML=0' in str(e), e\n"
         "out = LLM(path, quantize=None).sample('Hello', n=2, max_tokens=3, seed=0)\n"
         "assert len(out.samples) == 2\n"
     )
@@ -158,7 +159,8 @@ def test_forklm_info_names_each_weights_kernel(kquant_gguf, capsys):
     assert doc["kernels"]["ggml dot products (every other GGUF type)"].startswith("built")
     layers = doc["model"]["layers"]
     assert any(k.startswith("down: Q6_K as stored -> ggml") for k in layers)
-    assert any(k.startswith("gate_up: Q5_0+Q5_0 as stored -> ggml") for k in layers)
+    assert any(k.startswith("gate_up: Q5_0+Q5_0 -> block kernel (q5_1 layout") for k in layers)
+    assert any(k.startswith("qkv: Q5_0+Q5_0+Q8_0 as stored -> ggml") for k in layers)  # mixed 5- and 8-bit parts
     assert doc["model"]["decode stack"].startswith("off (")  # and why
     assert main(["info", "--no-model"]) == 0
     assert "block kernel" in capsys.readouterr().out

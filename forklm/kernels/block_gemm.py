@@ -1,4 +1,4 @@
-"""GGUF Q4_1 / Q8_0 weight blocks times float32 activations on x86 CPUs with AVX2: integer dot
+"""GGUF Q4_1 / Q5_1 / Q8_0 weight blocks times float32 activations on x86 CPUs with AVX2: integer dot
 products over activations quantized per row and block of 32 (csrc/block_gemm.cpp, built on first
 use with PyTorch's C++ extension loader and cached under ~/.cache/torch_extensions; on CPUs with
 AVX512-VNNI a variant built with it, equal bit for bit: `uses_vnni`).
@@ -145,6 +145,14 @@ class BlockWeights:
           its high nibble, as GGUF stores it), d float16 [N, K/32] and m float16 [⌈N/8⌉, K/32, 8]
           (groups of 8 outputs, block by block, their minima side by side, the last group padded with
           zeros: the kernel sums Σ_b m·sx for 8 outputs at once): w = d·q + m.
+    q5_1: q4_1's arrays (the values' low 4 bits) and qh int32 [N, K/32]: their fifth bits, a block
+          pair's two words arranged as the kernel reads the pair (`arrange_high_bits`): w = d·q + m,
+          q in 0..31 (GGUF Q5_0 is Q5_1 with minimum −16d, exactly).
+    q4_k: q4_1's values with GGUF K-quants' scales (K a multiple of 256): d float16 [N, K/256] (the
+          super-block scales ds), sc uint8 [N, K/32] (6-bit block scales), m uint8 [⌈N/8⌉, K/32, 8]
+          (6-bit block minima, grouped as q4_1's m) and dm float16 [⌈N/8⌉, K/256, 8] (the super-blocks'
+          −dmin, grouped the same way): w = ds·sc·q + dm·mq, each product exact in float32.
+    q5_k: q4_k's arrays and q5_1's qh.
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
     """
 
@@ -154,26 +162,44 @@ class BlockWeights:
     m: torch.Tensor | None
     n: int
     k: int
+    qh: torch.Tensor | None = None  # q5_1 / q5_k only
+    sc: torch.Tensor | None = None  # q4_k / q5_k only
+    dm: torch.Tensor | None = None  # q4_k / q5_k only
 
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qs, self.d, self.m) if t is not None]
+        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm) if t is not None]
+
+    def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
+        """The arrays in the order the kernel's `gemm_<kind>` takes them."""
+        return {"q4_1": (self.qs, self.d, self.m), "q5_1": (self.qs, self.qh, self.d, self.m),
+                "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
+                "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm), "q8_0": (self.qs, self.d)}[self.kind]
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q [N, K] uint8 0..15 or int8, d float32 [N, K/32], m float32 or None)."""
-        if self.kind == "q4_1":
-            nib = self.qs.view(self.n, self.k // BLOCK, 16)
-            q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
+        """(q [N, K] uint8 0..15 / 0..31 or int8, d float32 [N, K/32], m float32 or None)."""
+        if self.kind == "q8_0":
+            return self.qs, self.d.float(), None
+        nib = self.qs.view(self.n, self.k // BLOCK, 16)
+        q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
+        if self.qh is not None:
+            bits = arrange_high_bits(self.qh).long() & 0xFFFFFFFF  # [N, nb]: bit j = value j's fifth bit
+            fifth = (bits.unsqueeze(-1) >> torch.arange(BLOCK)) & 1  # [N, nb, 32]
+            q = q | (fifth.reshape(self.n, self.k) << 4).to(torch.uint8)
+        if self.sc is None:
             return q, self.d.float(), unblock_minima(self.m, self.n).float()
-        return self.qs, self.d.float(), None
+        d = self.d.float().repeat_interleave(8, dim=1) * self.sc.float()
+        m = unblock_minima(self.dm, self.n).float().repeat_interleave(8, dim=1) * unblock_minima(self.m, self.n).float()
+        return q, d, m
 
     def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
         pick = lambda t: None if t is None else t.index_select(0, ids)
-        m = None if self.m is None else block_minima(unblock_minima(self.m, self.n).index_select(0, ids))
-        return BlockWeights(self.kind, pick(self.qs), pick(self.d), m, int(ids.numel()), self.k)
+        regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
+        return BlockWeights(self.kind, pick(self.qs), pick(self.d), regroup(self.m), int(ids.numel()), self.k,
+                            pick(self.qh), pick(self.sc), regroup(self.dm))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block (`BlockQuantized.dequantize` of the unpacked values)."""
@@ -189,6 +215,47 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
     qb = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
     qs = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
     return BlockWeights("q4_1", qs, _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
+
+
+def pack_q5_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:
+    """q uint8 [N, K] in 0..31, d and m [N, K/32] holding float16 values."""
+    n, k = q.shape
+    low = pack_q4_1(q.to(torch.uint8) & 0x0F, d, m)
+    fifth = ((q.long() >> 4) & 1).view(n, k // BLOCK, BLOCK) << torch.arange(BLOCK)
+    words = fifth.sum(-1)  # [N, nb]: bit j = value j's fifth bit
+    return BlockWeights("q5_1", low.qs, low.d, low.m, n, k, arrange_high_bits(_as_int32(words)))
+
+
+def pack_k_quant(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor, dm: torch.Tensor, mq: torch.Tensor) -> BlockWeights:
+    """q uint8 [N, K] in 0..15 (q4_k) or 0..31 (q5_k, where any value needs a fifth bit), ds and dm
+    [N, K/256] holding float16 values (dm: −dmin), sc and mq [N, K/32] integers in 0..63."""
+    n, k = q.shape
+    if k % 256:
+        raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
+    five = bool((q >= 16).any())
+    low = pack_q5_1(q, torch.zeros(n, k // BLOCK), torch.zeros(n, k // BLOCK)) if five else None
+    qs = low.qs if five else pack_q4_1(q, torch.zeros(n, k // BLOCK), torch.zeros(n, k // BLOCK)).qs
+    return BlockWeights("q5_k" if five else "q4_k", qs, _exact_half(ds, "ds"), block_minima(mq.to(torch.uint8)), n, k,
+                        low.qh if five else None, sc.to(torch.uint8).contiguous(), block_minima(_exact_half(dm, "dm")))
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 -> int32 tensor of the same bits."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def arrange_high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """int32 [N, nb] GGUF fifth-bit words (bit j: value j of the block) <-> the kernel's arrangement
+    (its own inverse): for each block pair (b, b+1), word b = bits 0-15 of b's then bits 0-15 of
+    b+1's, word b+1 = bits 16-31 of b's then bits 16-31 of b+1's (the halves the kernel reads
+    together); a lone last block keeps its word."""
+    w = qh.long() & 0xFFFFFFFF
+    out = w.clone()
+    pairs = (w.shape[1] // 2) * 2
+    a, b = w[:, 0:pairs:2], w[:, 1:pairs:2]
+    out[:, 0:pairs:2] = (a & 0xFFFF) | ((b & 0xFFFF) << 16)
+    out[:, 1:pairs:2] = (a >> 16) | (b & 0xFFFF0000)
+    return _as_int32(out).contiguous()
 
 
 def block_minima(m: torch.Tensor) -> torch.Tensor:
@@ -240,9 +307,7 @@ def gemm(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tensor | None =
     if norm_weight is not None and swiglu:
         raise ValueError("one prologue at a time: norm_weight or swiglu")
     mode = RMS_NORM if norm_weight is not None else SWIGLU if swiglu else PLAIN
-    if w.kind == "q4_1":
-        return ext.gemm_q4_1(x, w.qs, w.d, w.m, mode, norm_weight, eps, residual)
-    return ext.gemm_q8_0(x, w.qs, w.d, mode, norm_weight, eps, residual)
+    return getattr(ext, f"gemm_{w.kind}")(x, *w.kernel_arrays(), mode, norm_weight, eps, residual)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

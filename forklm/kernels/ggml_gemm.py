@@ -84,7 +84,7 @@ def build_error() -> str | None:
         except Exception as e:  # noqa: BLE001 - reported, and every file that needs it is refused by name
             text = str(e).strip()
             reason = f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
-    warnings.warn(f"forklm: ggml's CPU kernels (GGUF types other than Q4_1 / Q8_0) are not available: {reason}",
+    warnings.warn(f"forklm: ggml's CPU kernels (GGUF types other than Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0) are not available: {reason}",
                   RuntimeWarning, stacklevel=2)
     return reason
 

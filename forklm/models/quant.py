@@ -1,5 +1,5 @@
 """Weights kept quantized at run time: int8 per-output-channel and int4 group-wise weight-only
-formats over PyTorch's CPU kernels, and GGUF Q4_1 / Q8_0 blocks kept as stored.
+formats over PyTorch's CPU kernels, and GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks kept as stored.
 
 Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
     int8   w = q · s[out]                        q int8 in [-127, 127], s per output channel;
@@ -161,6 +161,7 @@ class BlockQuantized:
     """A GGUF tensor kept as its blocks (32 values along `in` per block), rows as in HF ([out, in]).
 
     q4_1: q uint8 [out, in] in 0..15, d and m float32 [out, in/32]: w = d·q + m.
+    q5_1: as q4_1 with q in 0..31.
     q8_0: q int8 [out, in], d float32 [out, in/32], m None: w = d·q.
     d and m are the file's float16 values, widened exactly.
     """
@@ -205,6 +206,8 @@ class BlockQuantized:
 
         if self.kind == "q4_1":
             return block_gemm.pack_q4_1(self.q, self.d, self.m)
+        if self.kind == "q5_1":
+            return block_gemm.pack_q5_1(self.q, self.d, self.m)
         return block_gemm.pack_q8_0(self.q, self.d)
 
 
@@ -301,8 +304,8 @@ class QuantizedLinear:
 
 
 class BlockLinear(QuantizedLinear):
-    """y = x @ wᵀ with w [out, in] kept as a GGUF file's Q4_1 / Q8_0 blocks (Q4_0 as Q4_1 blocks with
-    minimum −8d, the same values), run by forklm's AVX2 integer kernel (`forklm.kernels.block_gemm`:
+    """y = x @ wᵀ with w [out, in] kept as a GGUF file's Q4_1 / Q5_1 / Q8_0 blocks (Q4_0 / Q5_0 as
+    Q4_1 / Q5_1 blocks with minimum −8d / −16d, the same values), run by forklm's AVX2 integer kernel (`forklm.kernels.block_gemm`:
     activations quantized per row and block of 32, as llama.cpp does; each row's result depends on
     that row alone) at every row count. keep_dense=True (opt-in, no file's default path) adds a
     dense copy (`block_dense_dtype()`) for steps of more than `max_rows` rows. The model's
@@ -313,7 +316,7 @@ class BlockLinear(QuantizedLinear):
     def __init__(self, blocks, dense_dtype: torch.dtype | None = None, max_rows: int | None = None,
                  keep_dense: bool = False):
         self.blocks = blocks  # forklm.kernels.block_gemm.BlockWeights
-        self.kind = blocks.kind  # "q4_1" | "q8_0"
+        self.kind = blocks.kind  # "q4_1" | "q5_1" | "q8_0"
         self.out_features, self.in_features = blocks.n, blocks.k
         self.dtype = torch.float32  # the kernel's activations (and the model's)
         self.dense_dtype = dense_dtype or block_dense_dtype()
@@ -399,36 +402,127 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
     return read_gguf_blocks(w.type_name, raw.numpy(), (w.n, w.k))
 
 
-def stored_block_weights(parts: list[GGMLWeights]):
-    """GGUF Q4_1 / Q4_0 parts (or Q8_0 parts) fused along `out`, in the block kernel's layout, sliced
-    straight from the stored bytes (its 4-bit layout is GGUF's own: value j in the low nibble of byte
-    j, value j + 16 in the high one), no values unpacked. Q4_0 becomes Q4_1 with minimum −8d (exact;
-    ValueError where −8d overflows float16)."""
+# GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
+BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0",
+                      "Q4_K": "q4_k", "Q5_K": "q5_k"}
+
+
+def block_kernel_kind(type_names) -> str | None:
+    """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
+    Q4_0 / Q4_1 parts as q4_1, with a Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth
+    bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q8_0 parts only as q8_0."""
+    kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
+    if len(kinds) == 1 and None not in kinds:
+        return kinds.pop()
+    return {frozenset({"q4_1", "q5_1"}): "q5_1", frozenset({"q4_k", "q5_k"}): "q5_k"}.get(frozenset(kinds))
+
+
+def _k_quant_rows(blocks: torch.Tensor, type_name: str):
+    """Q4_K / Q5_K blocks uint8 [n, K/256, 144 | 176] -> (values uint8 [n, K] in 0..31, ds and −dmin
+    float16 [n, K/256], sc and mq uint8 [n, K/32]), as ggml's dequantize_row_q4_K / q5_K read them."""
+    n, nsb, _ = blocks.shape
+    ds = blocks[..., 0:2].contiguous().view(torch.float16).view(n, nsb)
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).view(n, nsb)
+    packed = blocks[..., 4:16]  # 8 scales and 8 minima of 6 bits (get_scale_min_k4)
+    sc = torch.cat([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1)
+    mq = torch.cat([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1)
+    qs = blocks[..., -128:].reshape(n, nsb, 4, 1, 32)  # per 64 values: 32 bytes, low nibbles then high
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=3)  # [n, nsb, 4, 2, 32]: value 64c + 32h + l
+    if type_name == "Q5_K":  # bit 2c + h of byte l of qh: value 64c + 32h + l's fifth bit
+        qh = blocks[..., 16:48].reshape(n, nsb, 1, 32)
+        bits = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1  # [n, nsb, 8, 32]
+        q = q | (bits.view(n, nsb, 4, 2, 32) << 4)
+    return q.reshape(n, nsb * 256), ds, (-dmin.float()).half(), sc.reshape(n, nsb * 8), mq.reshape(n, nsb * 8)
+
+
+def stored_k_quant_weights(parts: list[GGMLWeights], kind: str):
+    """GGUF Q4_K / Q5_K parts fused along `out` in the block kernel's q4_k / q5_k layout: the values
+    repacked into Q4_1's nibble order (and Q5_1's fifth-bit words), the 6-bit scales and minima
+    unpacked to a byte each beside the float16 super-block scales: every value as stored, 4.6 / 5.6
+    bits a weight against the file's 4.5 / 5.5. Rows are repacked a chunk at a time."""
+    import numpy as np
+
     from forklm.kernels import block_gemm
     from forklm.models.gguf_file import release_pages
 
+    n, k = sum(p.n for p in parts), parts[0].k
+    nb, nsb = k // 32, k // 256
+    qs = torch.empty(n, k // 2, dtype=torch.uint8)
+    qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" else None
+    ds, dm = torch.empty(n, nsb, dtype=torch.float16), torch.empty(n, nsb, dtype=torch.float16)
+    sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
+    r = 0
+    for p in parts:
+        for c0 in range(0, p.n, 1024):
+            ids = torch.arange(c0, min(p.n, c0 + 1024))
+            raw = p.stored_rows(ids) if p.row_order is not None else p.data[ids]
+            q, ds_c, dm_c, sc_c, mq_c = _k_quant_rows(raw.view(len(ids), nsb, -1), p.type_name)
+            rows = slice(r + c0, r + c0 + len(ids))
+            qb = q.view(len(ids), nb, 32)
+            qs[rows] = ((qb[..., :16] & 0x0F) | ((qb[..., 16:] & 0x0F) << 4)).reshape(len(ids), k // 2)
+            if qh is not None:
+                bits = ((qb >> 4) & 1).numpy()
+                words = np.packbits(bits, axis=-1, bitorder="little").view("<u4").view(np.int32)
+                qh[rows] = torch.from_numpy(words.reshape(len(ids), nb))
+            ds[rows], dm[rows], sc[rows], mq[rows] = ds_c, dm_c, sc_c, mq_c
+        r += p.n
+        if p.mapped:
+            release_pages(p.data)
+    return block_gemm.BlockWeights(kind, qs, ds, block_gemm.block_minima(mq), n, k,
+                                   None if qh is None else block_gemm.arrange_high_bits(qh), sc,
+                                   block_gemm.block_minima(dm))
+
+
+def stored_block_weights(parts: list[GGMLWeights]):
+    """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`), sliced
+    straight from the stored bytes (its 4-bit layout is GGUF's own: value j in the low nibble of byte
+    j, value j + 16 in the high one; a 5-bit value's fifth bit in word qh), no values unpacked. Q4_0
+    becomes Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact; ValueError where the
+    minimum overflows float16)."""
+    from forklm.kernels import block_gemm
+    from forklm.models.gguf_file import release_pages
+
+    kind = block_kernel_kind([p.type_name for p in parts])
+    if kind is None:
+        raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
+    if kind in ("q4_k", "q5_k"):
+        return stored_k_quant_weights(parts, kind)
     n, k, nb = sum(p.n for p in parts), parts[0].k, parts[0].k // 32
-    q8 = parts[0].type_name == "Q8_0"
+    q8 = kind == "q8_0"
     # the outputs allocated once and each part copied into its rows: one copy of the weights at a time
     q = torch.empty(n, nb, 32 if q8 else 16, dtype=torch.uint8)
     d = torch.empty(n, nb, 2, dtype=torch.uint8)
     m = None if q8 else torch.empty(n, nb, 2, dtype=torch.uint8)
+    qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_1" else None
+
+    def minima_of(scales: torch.Tensor, factor: int, name: str) -> torch.Tensor:  # fp16 bytes -> factor·d
+        mins = (scales.contiguous().view(torch.float16).float() * factor).half()
+        if not torch.isfinite(mins).all():
+            raise ValueError(f"a {name} block's minimum {factor}d overflows float16")
+        return mins.view(torch.uint8).view(scales.shape)
+
     r = 0
     for p in parts:
         raw = p.stored_rows(torch.arange(p.n)) if p.row_order is not None else p.data
         blocks = raw.view(p.n, nb, -1)
         rows = slice(r, r + p.n)
         d[rows] = blocks[..., 0:2]
-        if p.type_name == "Q4_1":
+        t = p.type_name
+        if t == "Q4_1":  # d, m, 16 bytes of values
             m[rows] = blocks[..., 2:4]
             q[rows] = blocks[..., 4:20]
-        elif p.type_name == "Q4_0":
-            mins = (blocks[..., 0:2].contiguous().view(torch.float16).float() * -8).half()
-            if not torch.isfinite(mins).all():
-                raise ValueError("a Q4_0 block's minimum −8d overflows float16")
-            m[rows] = mins.view(torch.uint8).view(p.n, nb, 2)
+        elif t == "Q4_0":  # d, 16 bytes; w = d·(q − 8)
+            m[rows] = minima_of(blocks[..., 0:2], -8, t)
             q[rows] = blocks[..., 2:18]
-        else:  # Q8_0
+        elif t == "Q5_0":  # d, 4 bytes of fifth bits, 16 bytes; w = d·(q − 16)
+            m[rows] = minima_of(blocks[..., 0:2], -16, t)
+            qh[rows] = blocks[..., 2:6].contiguous().view(torch.int32).view(p.n, nb)
+            q[rows] = blocks[..., 6:22]
+        elif t == "Q5_1":  # d, m, 4 bytes of fifth bits, 16 bytes
+            m[rows] = blocks[..., 2:4]
+            qh[rows] = blocks[..., 4:8].contiguous().view(torch.int32).view(p.n, nb)
+            q[rows] = blocks[..., 8:24]
+        else:  # Q8_0: d, 32 int8
             q[rows] = blocks[..., 2:34]
         r += p.n
         if p.mapped:  # repacked: the file's pages of this tensor leave the resident set
@@ -437,20 +531,22 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if q8:
         return block_gemm.BlockWeights("q8_0", q.view(n, k).view(torch.int8), d, None, n, k)
     minima = block_gemm.block_minima(m.view(torch.float16).view(n, nb))
-    return block_gemm.BlockWeights("q4_1", q.view(n, k // 2), d, minima, n, k)
+    return block_gemm.BlockWeights(kind, q.view(n, k // 2), d, minima, n, k,
+                                   None if qh is None else block_gemm.arrange_high_bits(qh))
 
 
 def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.device):
-    """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): Q4_1 or Q8_0
-    parts all of one type on forklm's block kernel (its layout, repacked once), any other mix on
-    ggml's kernels over the file's bytes. A type neither runs is refused by name, never densified."""
+    """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): Q4_0 / Q4_1 /
+    Q5_0 / Q5_1 parts, Q4_K / Q5_K parts or Q8_0 parts on forklm's block kernel (its layouts,
+    repacked once, `block_kernel_kind`), any other mix on ggml's kernels over the file's bytes. A
+    type neither runs is refused by name, never densified."""
     from forklm.kernels import ggml_gemm
 
     kinds = {p.type_name for p in parts}
-    if (kinds <= {"Q4_0", "Q4_1"} or kinds == {"Q8_0"}) and block_kernel_available():
+    if block_kernel_kind(kinds) is not None and block_kernel_available():
         try:
             packed = stored_block_weights(parts)
-        except ValueError:  # a Q4_0 scale whose minimum −8d overflows float16: ggml's kernel instead
+        except ValueError:  # a Q4_0 / Q5_0 scale whose minimum overflows float16: ggml's kernel instead
             packed = None
         if packed is not None:
             lin = BlockLinear(packed)
@@ -462,7 +558,7 @@ def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.de
                                     f"{', '.join(ggml_gemm.GGML_TYPE_IDS)})")
     if not ggml_gemm.available():
         raise UnsupportedModelError(
-            f"GGUF tensor type {sorted(kinds)[0]} runs on ggml's CPU kernels, which are not available here "
+            f"GGUF tensor type {'+'.join(sorted(kinds))} runs on ggml's CPU kernels, which are not available here "
             f"({ggml_gemm.build_error()}); load with quantize=None to run the file dequantized to float")
     return GGMLLinear(parts)
 
@@ -634,7 +730,7 @@ def kernels_pay_off(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def block_kernel_available() -> bool:
-    """Whether GGUF Q4_1 / Q8_0 blocks run on forklm's own kernel: x86-64 with AVX2, FMA and F16C
+    """Whether GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks run on forklm's own kernel: x86-64 with AVX2, FMA and F16C
     (a fixed rule of the CPU's features) and the kernel built (on first use; see
     `forklm.kernels.block_gemm`). Used for float32 models (CPUs without native bfloat16); bfloat16
     models keep PyTorch's int4 kernel, measured on those CPUs."""

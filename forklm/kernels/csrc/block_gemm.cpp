@@ -1,9 +1,13 @@
-// Products of float32 activations with GGUF Q4_1 / Q8_0 weight blocks on x86 CPUs with AVX2,
-// as integer dot products (the scheme llama.cpp uses on these CPUs, written here for PyTorch).
+// Products of float32 activations with GGUF Q4_1 / Q5_1 / Q8_0 weight blocks on x86 CPUs with
+// AVX2, as integer dot products (the scheme llama.cpp uses on these CPUs, written here for PyTorch).
 //
 // Weights [N, K] keep the file's blocks of 32 values along K, their values and scales held in
 // separate arrays (`Weights` below):
 //   Q4_1  w = d·q + m, q in 0..15 (value j: low nibble of byte j, value j + 16: its high nibble)
+//   Q5_1  w = d·q + m, q in 0..31: Q4_1's nibbles and a fifth bit per value (`high_bits`)
+//   Q4_K  Q4_1's values with the K-quants' scales: per block d = ds·sc (ds fp16 per 8 blocks, sc a
+//         6-bit integer per block) and m = dm·mq (the same way), formed exactly in float32
+//   Q5_K  Q5_1's values with the K-quants' scales
 //   Q8_0  w = d·q, q int8
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
@@ -126,13 +130,34 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, co
 //   qs  uint8 [N, nb·16] (Q4_1: two values a byte) | int8 [N, K] (Q8_0)
 //   d   fp16 [N, nb]     m  fp16 [⌈N/8⌉, nb, 8] (Q4_1 only: per group of 8 outputs, block by block,
 //                        the 8 outputs' minima side by side; the last group padded with zeros)
+//   qh  uint32 [N, nb] (Q5_1 / Q5_K only): the values' fifth bits, a block pair's words arranged as
+//       the pair is read (`high_bits`)
+// K-quant scales (`KS` below; nb a multiple of 8): d holds ds fp16 [N, nb/8] and sc uint8 [N, nb];
+// m holds mq uint8 [⌈N/8⌉, nb, 8] and dm fp16 [⌈N/8⌉, nb/8, 8] (groups of 8 outputs as Q4_1's m):
+// d_b = ds[b/8]·sc[b], m_b = dm[b/8]·mq[b] (dm holds the file's −dmin).
 struct Weights {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;  // nullptr for Q8_0
   int64_t nb;
   int64_t row_bytes;  // of qs
+  const uint32_t* qh = nullptr;  // Q5_1 / Q5_K only
+  const uint8_t* sc = nullptr;   // K-quant scales only
+  const uint16_t* dm = nullptr;  // K-quant scales only
 };
+
+// 32 bytes, byte i = 0x10 where bit i of `bits` is set, else 0: the fifth bits of 32 values, to OR
+// into their low 4 bits. Q5_1's words: for a block pair (b, b+1) read as `tile` reads Q4_1 pairs
+// (bytes 0-15 values 0-15 of b, 16-31 values 0-15 of b+1; then values 16-31 of both), word b holds
+// the fifth bits of the first read (bits 0-15 of block b's, then bits 0-15 of b+1's) and word b+1
+// those of the second (bits 16-31 of b's, then of b+1's); a lone last block keeps its own word.
+inline __m256i high_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+}
 
 // A tile's activation rows. mt: the rows' Q4_1 minima terms for a chunk of outputs (`minima_terms`):
 // row j's term for output o at mt[j·mt_ld + o − mt_o0]; nullptr for Q8_0.
@@ -155,11 +180,46 @@ inline void halves_to_float(const uint16_t* h, float* f, int64_t n) {
   for (; i < n; ++i) f[i] = half_to_float(h[i]);
 }
 
-template <bool Q41>
+// Output o's scale of block b (K-quants: ds·sc, exact in float32: 11 by 6 significant bits).
+template <bool KS>
+inline float block_scale(const Weights& w, int64_t o, int64_t b) {
+  if constexpr (KS) return half_to_float(w.d[o * (w.nb / 8) + b / 8]) * static_cast<float>(w.sc[o * w.nb + b]);
+  return half_to_float(w.d[o * w.nb + b]);
+}
+
+// Output o's scales of all nb blocks into f.
+template <bool KS>
+inline void row_scales(const Weights& w, int64_t o, float* f) {
+  if constexpr (KS) {
+    for (int64_t b = 0; b < w.nb; ++b) f[b] = block_scale<true>(w, o, b);
+  } else {
+    halves_to_float(w.d + o * w.nb, f, w.nb);
+  }
+}
+
+// Output o's scales of blocks b and b + 1 (b even) in lanes 0 and 1.
+template <bool KS>
+inline __m128 pair_scales(const Weights& w, int64_t o, int64_t b) {
+  if constexpr (KS) {
+    const float ds = half_to_float(w.d[o * (w.nb / 8) + b / 8]);
+    const uint8_t* sc = w.sc + o * w.nb + b;
+    return _mm_setr_ps(ds * static_cast<float>(sc[0]), ds * static_cast<float>(sc[1]), 0.f, 0.f);
+  }
+  int32_t dpair;
+  std::memcpy(&dpair, w.d + o * w.nb + b, sizeof dpair);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(dpair));
+}
+
+// Two floats from p (unaligned) in lanes 0 and 1.
+inline __m128 load_two(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+
+template <bool Q41, bool H5 = false>
 inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
   if constexpr (Q41) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    if constexpr (H5) return _mm256_or_si256(low, high_bits(w.qh[o * w.nb + b]));
+    return low;
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + o * w.row_bytes + b * QK));
   }
@@ -185,7 +245,7 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 
 // Σ over each 4 consecutive bytes of u1·s1 + u2·s2, as int32 lanes. AVX2: the two products summed in
-// int16 (each lane ≤ 2·15·127·2 < 2¹⁵ for Q4_1's values) and widened once.
+// int16 (each lane ≤ 2·31·127·2 < 2¹⁵ for Q4_1's and Q5_1's values) and widened once.
 inline __m256i dot2_u8s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
 #if FORKLM_VNNI
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
@@ -212,23 +272,46 @@ inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int
   if (first + count > N) return;
   const char* values = reinterpret_cast<const char*>(w.qs + first * w.row_bytes);
   for (int64_t off = 0; off < count * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
-  const char* scales = reinterpret_cast<const char*>(w.d + first * w.nb);
-  for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+  if (w.sc == nullptr) {
+    const char* scales = reinterpret_cast<const char*>(w.d + first * w.nb);
+    for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+  } else {
+    const char* scales = reinterpret_cast<const char*>(w.sc + first * w.nb);
+    for (int64_t off = 0; off < count * w.nb; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.d + first * (w.nb / 8)), _MM_HINT_T0);
+  }
+  if (w.qh != nullptr) {
+    const char* bits = reinterpret_cast<const char*>(w.qh + first * w.nb);
+    for (int64_t off = 0; off < count * w.nb * 4; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
+  }
 }
 
 // The Q4_1 minima terms mt[t, o − o0] = Σ_b m[b, o]·sx[t, b] for outputs [o0, o1) and T rows: one
 // FMA chain over the blocks in order per (output, row), a group of 8 outputs to a vector (the same
 // chain in the scalar path for a group's part), so a row's term never depends on the other rows, on
 // the tile that reads it or on where a thread's outputs begin.
-// m: fp16 [⌈N/8⌉, nb, 8] (`Weights`); sx [T, nb]; mt [T, o1 − o0].
-void minima_terms(const uint16_t* m, int64_t o0, int64_t o1, const float* sx, int64_t T, int64_t nb, float* mt) {
+// m: fp16 [⌈N/8⌉, nb, 8] (`Weights`; K-quant scales: mq·dm, formed exactly); sx [T, nb]; mt [T, o1 − o0].
+template <bool KS = false>
+void minima_terms(const Weights& w, int64_t o0, int64_t o1, const float* sx, int64_t T, int64_t nb, float* mt) {
   const int64_t width = o1 - o0;
+  const uint16_t* m = w.m;
+  const uint8_t* mq = reinterpret_cast<const uint8_t*>(w.m);
   const auto group8 = [&](int64_t b, int64_t o) {  // o a multiple of 8
+    if constexpr (KS) {
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dm + ((o >> 3) * (nb / 8) + b / 8) * 8)));
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mq + ((o >> 3) * nb + b) * 8))));
+      return _mm256_mul_ps(dm, q);
+    }
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + ((o >> 3) * nb + b) * 8)));
+  };
+  const auto minimum = [&](int64_t b, int64_t o) {
+    if constexpr (KS)
+      return half_to_float(w.dm[((o >> 3) * (nb / 8) + b / 8) * 8 + (o & 7)]) * static_cast<float>(mq[((o >> 3) * nb + b) * 8 + (o & 7)]);
+    return half_to_float(m[((o >> 3) * nb + b) * 8 + (o & 7)]);
   };
   const auto one = [&](const float* sxt, int64_t o) {
     float r = 0.f;
-    for (int64_t b = 0; b < nb; ++b) r = std::fma(half_to_float(m[((o >> 3) * nb + b) * 8 + (o & 7)]), sxt[b], r);
+    for (int64_t b = 0; b < nb; ++b) r = std::fma(minimum(b, o), sxt[b], r);
     return r;
   };
   for (int64_t t = 0; t < T; ++t) {
@@ -260,22 +343,23 @@ void minima_terms(const uint16_t* m, int64_t o0, int64_t o1, const float* sx, in
 }
 
 // The minima of outputs [o0, o1) into cache (the groups holding them are contiguous).
-inline void prefetch_minima(const uint16_t* m, int64_t nb, int64_t o0, int64_t o1) {
+inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1) {
   if (o0 >= o1) return;
-  const char* first = reinterpret_cast<const char*>(m + (o0 >> 3) * nb * 8);
-  const char* end = reinterpret_cast<const char*>(m + ((o1 + 7) >> 3) * nb * 8);
-  for (const char* p = first; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  const int64_t bytes = w.dm == nullptr ? 2 : 1;  // per minimum (K-quants: mq; their dm is 8x smaller)
+  const char* base = reinterpret_cast<const char*>(w.m);
+  const char* end = base + ((o1 + 7) >> 3) * nb * 8 * bytes;
+  for (const char* p = base + (o0 >> 3) * nb * 8 * bytes; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
 // y[j·N + o + i] for i < TO outputs, j < TN activation rows. scratch: >= TO·(TN + 1)·nb floats.
-template <bool Q41, int TO, int TN>
+template <bool Q41, int TO, int TN, bool H5 = false, bool KS = false>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
   float* dw = scratch;                 // [TO, nb]
   float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
   prefetch_outputs(w, o + 2 * TO, TO, N);
   for (int i = 0; i < TO; ++i) {
-    halves_to_float(w.d + (o + i) * nb, dw + i * nb, nb);
+    row_scales<KS>(w, o + i, dw + i * nb);
     for (int j = 0; j < TN; ++j) {
       float* s = sc + (i * TN + j) * nb;
       const float* dxj = x.d + j * nb;
@@ -299,6 +383,10 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + b * 16));
         wlo[i] = _mm256_and_si256(v, low4);
         whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (H5) {
+          wlo[i] = _mm256_or_si256(wlo[i], high_bits(w.qh[(o + i) * nb + b]));
+          whi[i] = _mm256_or_si256(whi[i], high_bits(w.qh[(o + i) * nb + b + 1]));
+        }
       }
       for (int j = 0; j < TN; ++j) {
         const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
@@ -306,7 +394,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
         const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
         for (int i = 0; i < TO; ++i) {
           const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo[i], xlo, whi[i], xhi));
-          const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + (i * TN + j) * nb + b)));
+          const __m128 s2 = load_two(sc + (i * TN + j) * nb + b);
           const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx);
           acc[i][j] = _mm256_fmadd_ps(scale, p, acc[i][j]);
         }
@@ -315,7 +403,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
   }
   for (; b < nb; ++b) {
     __m256i wv[TO];
-    for (int i = 0; i < TO; ++i) wv[i] = load_weights<Q41>(w, o + i, b);
+    for (int i = 0; i < TO; ++i) wv[i] = load_weights<Q41, H5>(w, o + i, b);
     for (int j = 0; j < TN; ++j) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
       for (int i = 0; i < TO; ++i) {
@@ -342,7 +430,7 @@ struct PairedActs {
 // output's spread d_w (converted once per pair) and the row's spread d_x (`PairedActs`), no scratch.
 // Per block pair and (output, row): 2 byte products, their sum, its widening, a conversion, a
 // product and an FMA (the 2 x 4 tile before it: 2 permutes a row and a scale shuffle more).
-template <int TO, int TN>
+template <int TO, int TN, bool H5 = false, bool KS = false>
 void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& xp, float* y, int64_t N) {
   const int64_t nb = w.nb, pairs = nb / 2;
   prefetch_outputs(w, o + 2 * TO, TO, N);
@@ -358,9 +446,11 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + pr * QK));
       wlo[i] = _mm256_and_si256(v, low4);
       whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      int32_t dpair;
-      std::memcpy(&dpair, w.d + (o + i) * nb + 2 * pr, sizeof dpair);
-      dwv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(dpair))), pair_idx);
+      if constexpr (H5) {
+        wlo[i] = _mm256_or_si256(wlo[i], high_bits(w.qh[(o + i) * nb + 2 * pr]));
+        whi[i] = _mm256_or_si256(whi[i], high_bits(w.qh[(o + i) * nb + 2 * pr + 1]));
+      }
+      dwv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair_scales<KS>(w, o + i, 2 * pr)), pair_idx);
     }
     for (int j = 0; j < TN; ++j) {
       const int8_t* xj = xp.xp + j * x.K + pr * 2 * QK;
@@ -376,8 +466,8 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
   if (nb % 2 == 1) {  // the last block alone, as `tile`
     const int64_t b = nb - 1;
     for (int i = 0; i < TO; ++i) {
-      const __m256i wv = load_weights<true>(w, o + i, b);
-      const float dw = half_to_float(w.d[(o + i) * nb + b]);
+      const __m256i wv = load_weights<true, H5>(w, o + i, b);
+      const float dw = block_scale<KS>(w, o + i, b);
       for (int j = 0; j < TN; ++j) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
         const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(wv, xv));
@@ -390,19 +480,19 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
 }
 
 // Outputs [o0, o1) for TN rows: TO outputs at a time, the remainder one by one.
-template <bool Q41, int TO, int TN>
+template <bool Q41, int TO, int TN, bool H5 = false, bool KS = false>
 void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) tile<Q41, TO, TN>(w, o, x, y, N, scratch);
-  for (; o < o1; ++o) tile<Q41, 1, TN>(w, o, x, y, N, scratch);
+  for (; o + TO <= o1; o += TO) tile<Q41, TO, TN, H5, KS>(w, o, x, y, N, scratch);
+  for (; o < o1; ++o) tile<Q41, 1, TN, H5, KS>(w, o, x, y, N, scratch);
 }
 
-template <int TO, int TN>
+template <int TO, int TN, bool H5 = false, bool KS = false>
 void paired_tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const PairedActs& xp, float* y,
                       int64_t N) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) paired_tile<TO, TN>(w, o, x, xp, y, N);
-  for (; o < o1; ++o) paired_tile<1, TN>(w, o, x, xp, y, N);
+  for (; o + TO <= o1; o += TO) paired_tile<TO, TN, H5, KS>(w, o, x, xp, y, N);
+  for (; o < o1; ++o) paired_tile<1, TN, H5, KS>(w, o, x, xp, y, N);
 }
 
 // A lone activation row times Q4_1 outputs [o0, o1): the operations of tile<true, 1, 1> (so the same
@@ -414,6 +504,7 @@ void paired_tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, c
 #ifndef FORKLM_ONE_ROW_DIRECT
 #define FORKLM_ONE_ROW_DIRECT 1
 #endif
+template <bool H5 = false, bool KS = false>
 void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const int8_t* xp, float* y, int64_t N) {
   const int64_t nb = w.nb;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -423,15 +514,20 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
   for (int64_t o = o0; o < o1; ++o) {
     if (x.mt == nullptr && (o == o0 || (o & 7) == 0)) {
       group = o;
-      prefetch_minima(w.m, nb, std::min(o1, (o | 7) + 17), std::min(o1, (o | 7) + 25));  // two groups ahead
-      minima_terms(w.m, o, std::min(o1, (o | 7) + 1), x.s, 1, nb, group_terms);
+      prefetch_minima(w, nb, std::min(o1, (o | 7) + 17), std::min(o1, (o | 7) + 25));  // two groups ahead
+      minima_terms<KS>(w, o, std::min(o1, (o | 7) + 1), x.s, 1, nb, group_terms);
     }
     if (o + 3 <= N) {  // the weights two outputs ahead into cache, as `tile`
       const char* values = reinterpret_cast<const char*>(w.qs + (o + 2) * w.row_bytes);
       for (int64_t off = 0; off < w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w.d + (o + 2) * nb), _MM_HINT_T0);
+      if constexpr (KS)
+        _mm_prefetch(reinterpret_cast<const char*>(w.sc + (o + 2) * nb), _MM_HINT_T0);
+      else
+        _mm_prefetch(reinterpret_cast<const char*>(w.d + (o + 2) * nb), _MM_HINT_T0);
+      if constexpr (H5)
+        for (int64_t off = 0; off < nb * 4; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w.qh + (o + 2) * nb) + off, _MM_HINT_T0);
     }
-    const uint16_t* dw = w.d + o * nb;
     __m256 acc = _mm256_setzero_ps();
     const uint8_t* qs = w.qs + o * w.row_bytes;
     int64_t b = 0;
@@ -439,18 +535,19 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 16));
       const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + b * QK));
       const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + b * QK + QK));
-      const __m256 p = _mm256_cvtepi32_ps(
-          dot2_u8s8(_mm256_and_si256(v, low4), xlo, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), xhi));
-      int32_t dpair;
-      std::memcpy(&dpair, dw + b, sizeof dpair);
-      const __m128 s2 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dpair)),
-                                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.d + b))));
+      __m256i wlo = _mm256_and_si256(v, low4), whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (H5) {
+        wlo = _mm256_or_si256(wlo, high_bits(w.qh[o * nb + b]));
+        whi = _mm256_or_si256(whi, high_bits(w.qh[o * nb + b + 1]));
+      }
+      const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo, xlo, whi, xhi));
+      const __m128 s2 = _mm_mul_ps(pair_scales<KS>(w, o, b), load_two(x.d + b));
       acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx), p, acc);
     }
     for (; b < nb; ++b) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QK));
-      const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(load_weights<true>(w, o, b), xv));
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(dw[b]) * x.d[b]), p, acc);
+      const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(load_weights<true, H5>(w, o, b), xv));
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(block_scale<KS>(w, o, b) * x.d[b]), p, acc);
     }
     y[o] = hsum(acc) + (x.mt == nullptr ? group_terms[o - group] : x.minima_term(0, o));
   }
@@ -499,10 +596,13 @@ constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 constexpr int64_t SCRATCH_PER_BLOCK =
     cmax(cmax(FORKLM_ROW_TILE_OUTS * 5, FORKLM_ONE_ROW_TILE_OUTS * 2), cmax(2 * 4, 4 * 3));
 
-template <bool Q41>
+// Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm).
+template <bool Q41, bool H5 = false, bool KS = false>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
-                   double eps, const std::optional<torch::Tensor>& residual) {
+                   double eps, const std::optional<torch::Tensor>& residual, const torch::Tensor& qh = torch::Tensor(),
+                   const torch::Tensor& sc = torch::Tensor(), const torch::Tensor& dm = torch::Tensor()) {
+  static_assert(Q41 || (!H5 && !KS), "fifth bits and K-quant scales belong to blocks with minima");
   const torch::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(),
               "activations must be a float32 CPU matrix [T, K]");
@@ -514,13 +614,33 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const int64_t row_bytes = Q41 ? nb * 16 : K;
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
               "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
-  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
-                  d.size(1) == nb,
-              "block scales d must be contiguous float16 [N, K/32]");
-  if (Q41)
-    TORCH_CHECK(m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() &&
-                m.size(0) == (n + 7) / 8 && m.size(1) == nb && m.size(2) == 8,
-                "block minima m must be contiguous float16 [ceil(N/8), K/32, 8] (groups of 8 outputs)");
+  if (KS) {
+    TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
+    TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
+                    d.size(1) == nb / 8,
+                "super-block scales ds must be contiguous float16 [N, K/256]");
+    TORCH_CHECK(sc.defined() && sc.dim() == 2 && sc.scalar_type() == torch::kUInt8 && sc.is_contiguous() && sc.is_cpu() &&
+                    sc.size(0) == n && sc.size(1) == nb,
+                "block scales sc must be contiguous uint8 [N, K/32]");
+    TORCH_CHECK(m.dim() == 3 && m.scalar_type() == torch::kUInt8 && m.is_contiguous() && m.is_cpu() &&
+                    m.size(0) == (n + 7) / 8 && m.size(1) == nb && m.size(2) == 8,
+                "block minima mq must be contiguous uint8 [ceil(N/8), K/32, 8] (groups of 8 outputs)");
+    TORCH_CHECK(dm.defined() && dm.dim() == 3 && dm.scalar_type() == torch::kFloat16 && dm.is_contiguous() && dm.is_cpu() &&
+                    dm.size(0) == (n + 7) / 8 && dm.size(1) == nb / 8 && dm.size(2) == 8,
+                "super-block minima scales dm must be contiguous float16 [ceil(N/8), K/256, 8]");
+  } else {
+    TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
+                    d.size(1) == nb,
+                "block scales d must be contiguous float16 [N, K/32]");
+    if (Q41)
+      TORCH_CHECK(m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() &&
+                      m.size(0) == (n + 7) / 8 && m.size(1) == nb && m.size(2) == 8,
+                  "block minima m must be contiguous float16 [ceil(N/8), K/32, 8] (groups of 8 outputs)");
+  }
+  if (H5)
+    TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kInt32 && qh.is_contiguous() && qh.is_cpu() &&
+                    qh.size(0) == n && qh.size(1) == nb,
+                "fifth bits qh must be contiguous int32 [N, K/32]");
   torch::Tensor nw;
   if (mode == RMSNORM) {
     TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
@@ -538,7 +658,10 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const QuantizedRows xq = quantize_rows(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr,
                                          static_cast<float>(eps));
   const Weights w{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                  Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes};
+                  Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
+                  H5 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
+                  KS ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
+                  KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr};
   const int8_t* qx = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const float* sx = xq.s.data_ptr<float>();
@@ -572,8 +695,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       if (chunk_minima) {
-        prefetch_minima(w.m, nb, c1, std::min(z, c1 + ROWS_PER_CHUNK));  // the next chunk's
-        minima_terms(w.m, c0, c1, sx, T, nb, minima.data());
+        prefetch_minima(w, nb, c1, std::min(z, c1 + ROWS_PER_CHUNK));  // the next chunk's
+        minima_terms<KS>(w, c0, c1, sx, T, nb, minima.data());
       }
       const Acts all{qx, dx, sx, K, nb, chunk_minima ? minima.data() : nullptr, c1 - c0, c0};
       const auto pairs_from = [&](int64_t t) { return PairedActs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8}; };
@@ -581,25 +704,25 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       if (paired_rows) {
         if constexpr (FORKLM_PAIRED_TILE_ROWS != 4)
           for (; t + FORKLM_PAIRED_TILE_ROWS <= T; t += FORKLM_PAIRED_TILE_ROWS)
-            paired_tile_rows<FORKLM_PAIRED_TILE_OUTS, FORKLM_PAIRED_TILE_ROWS>(w, c0, c1, all.rows_from(t), pairs_from(t),
-                                                                               yp + t * n, n);
+            paired_tile_rows<FORKLM_PAIRED_TILE_OUTS, FORKLM_PAIRED_TILE_ROWS, H5, KS>(w, c0, c1, all.rows_from(t),
+                                                                                       pairs_from(t), yp + t * n, n);
         for (; t + 4 <= T; t += 4)
-          paired_tile_rows<FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
-        if (T - t == 3) paired_tile_rows<2, 3>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
-        if (T - t == 2) paired_tile_rows<4, 2>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
+          paired_tile_rows<FORKLM_ROW_TILE_OUTS, 4, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
+        if (T - t == 3) paired_tile_rows<2, 3, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
+        if (T - t == 2) paired_tile_rows<4, 2, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
         if (T - t >= 2) t = T;
       }
       for (; t + 4 <= T; t += 4)
-        tile_rows<Q41, FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+        tile_rows<Q41, FORKLM_ROW_TILE_OUTS, 4, H5, KS>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
       const Acts rest = all.rows_from(t);
       switch (T - t) {
-        case 3: tile_rows<Q41, 2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-        case 2: tile_rows<Q41, 4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+        case 3: tile_rows<Q41, 2, 3, H5, KS>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+        case 2: tile_rows<Q41, 4, 2, H5, KS>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
         case 1:
           if (Q41 && FORKLM_ONE_ROW_DIRECT)
-            one_row_q4_1(w, c0, c1, rest, xpairs.data() + (t - paired_from) * K, yp + t * n, n);
+            one_row_q4_1<H5, KS>(w, c0, c1, rest, xpairs.data() + (t - paired_from) * K, yp + t * n, n);
           else
-            tile_rows<Q41, FORKLM_ONE_ROW_TILE_OUTS, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data());
+            tile_rows<Q41, FORKLM_ONE_ROW_TILE_OUTS, 1, H5, KS>(w, c0, c1, rest, yp + t * n, n, scratch.data());
           break;
         default: break;
       }
@@ -615,6 +738,26 @@ torch::Tensor gemm_q4_1(const torch::Tensor& x, const torch::Tensor& qs, const t
                         const torch::Tensor& m, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
                         double eps, const std::optional<torch::Tensor>& residual) {
   return gemm<true>(x, qs, d, m, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_q5_1(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
+                        const torch::Tensor& m, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
+                        double eps, const std::optional<torch::Tensor>& residual) {
+  return gemm<true, true>(x, qs, d, m, prologue, norm_weight, eps, residual, qh);
+}
+
+torch::Tensor gemm_q4_k(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& ds, const torch::Tensor& sc,
+                        const torch::Tensor& mq, const torch::Tensor& dm, int64_t prologue,
+                        const std::optional<torch::Tensor>& norm_weight, double eps,
+                        const std::optional<torch::Tensor>& residual) {
+  return gemm<true, false, true>(x, qs, ds, mq, prologue, norm_weight, eps, residual, torch::Tensor(), sc, dm);
+}
+
+torch::Tensor gemm_q5_k(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& ds,
+                        const torch::Tensor& sc, const torch::Tensor& mq, const torch::Tensor& dm, int64_t prologue,
+                        const std::optional<torch::Tensor>& norm_weight, double eps,
+                        const std::optional<torch::Tensor>& residual) {
+  return gemm<true, true, true>(x, qs, ds, mq, prologue, norm_weight, eps, residual, qh, sc, dm);
 }
 
 torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, int64_t prologue,
@@ -636,6 +779,9 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x_in) {
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])");
+  m.def("gemm_q5_1", &gemm_q5_1, "y [T, N] = x [T, K] float32 times Q5_1 weights (Q4_1's arrays and the fifth bits qh int32 [N, K/32])");
+  m.def("gemm_q4_k", &gemm_q4_k, "y [T, N] = x [T, K] float32 times Q4_K values in Q4_1's layout with K-quant scales (ds fp16 [N, K/256], sc uint8 [N, K/32], mq uint8 [ceil(N/8), K/32, 8], dm fp16 [ceil(N/8), K/256, 8])");
+  m.def("gemm_q5_k", &gemm_q5_k, "y [T, N] = x [T, K] float32 times Q5_K values (gemm_q4_k's arrays and the fifth bits qh int32 [N, K/32])");
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])");
   m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])");
 }

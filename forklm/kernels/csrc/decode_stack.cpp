@@ -12,15 +12,24 @@
 #include "block_gemm.cpp"
 #include "paged_attention.cpp"
 
+#include <map>
+#include <string>
+
 namespace {
 
+// One product's weights: the kernel's layout `kind` and its arrays in the order `gemm_<kind>` takes
+// them (block_gemm.py: BlockWeights.kernel_arrays).
 struct BlockMatrix {
-  torch::Tensor qs, d, m;  // m: Q4_1 minima, undefined for Q8_0
-  bool q41;
+  std::string kind;
+  std::vector<torch::Tensor> a;
 
   torch::Tensor run(const torch::Tensor& x, Prologue mode, const std::optional<torch::Tensor>& norm, double eps,
-                    const std::optional<torch::Tensor>& residual) const {
-    return q41 ? gemm<true>(x, qs, d, m, mode, norm, eps, residual) : gemm<false>(x, qs, d, d, mode, norm, eps, residual);
+                    const std::optional<torch::Tensor>& r) const {
+    if (kind == "q4_1") return gemm<true>(x, a[0], a[1], a[2], mode, norm, eps, r);
+    if (kind == "q5_1") return gemm<true, true>(x, a[0], a[2], a[3], mode, norm, eps, r, a[1]);
+    if (kind == "q4_k") return gemm<true, false, true>(x, a[0], a[1], a[3], mode, norm, eps, r, torch::Tensor(), a[2], a[4]);
+    if (kind == "q5_k") return gemm<true, true, true>(x, a[0], a[2], a[4], mode, norm, eps, r, a[1], a[3], a[5]);
+    return gemm<false>(x, a[0], a[1], a[1], mode, norm, eps, r);  // q8_0
   }
 };
 
@@ -32,24 +41,27 @@ struct Layer {
 
 class DecodeStack {
  public:
-  // norms [2L]: attn_norm, mlp_norm per layer; qs / d / m / q41 [4L]: qkv, o, gate_up, down per layer
-  DecodeStack(const std::vector<torch::Tensor>& norms, const std::vector<torch::Tensor>& qs,
-              const std::vector<torch::Tensor>& d, const std::vector<std::optional<torch::Tensor>>& m,
-              const std::vector<bool>& q41, double eps, int64_t num_heads,
+  // norms [2L]: attn_norm, mlp_norm per layer; kinds / arrays [4L]: qkv, o, gate_up, down per layer
+  DecodeStack(const std::vector<torch::Tensor>& norms, const std::vector<std::string>& kinds,
+              const std::vector<std::vector<torch::Tensor>>& arrays, double eps, int64_t num_heads,
               const std::vector<std::optional<torch::Tensor>>& qkv_bias)
       : eps_(eps), num_heads_(num_heads) {
     const size_t L = norms.size() / 2;
-    TORCH_CHECK(norms.size() == 2 * L && qs.size() == 4 * L && d.size() == 4 * L && m.size() == 4 * L && q41.size() == 4 * L,
+    TORCH_CHECK(norms.size() == 2 * L && kinds.size() == 4 * L && arrays.size() == 4 * L,
                 "a decode stack needs 2 norms and 4 block matrices per layer");
-    for (size_t i = 0; i < 4 * L; ++i)
-      TORCH_CHECK(q41[i] == m[i].has_value(), "Q4_1 matrices carry minima, Q8_0 ones none (matrix ", i, ")");
-    auto matrix = [&](size_t i) { return BlockMatrix{qs[i], d[i], m[i].has_value() ? *m[i] : torch::Tensor(), q41[i]}; };
+    const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q8_0", 2}};
+    for (size_t i = 0; i < 4 * L; ++i) {
+      const auto it = arity.find(kinds[i]);
+      TORCH_CHECK(it != arity.end(), "matrix ", i, ": unknown block layout ", kinds[i]);
+      TORCH_CHECK(arrays[i].size() == it->second, "matrix ", i, ": ", kinds[i], " takes ", it->second, " arrays");
+    }
+    auto matrix = [&](size_t i) { return BlockMatrix{kinds[i], arrays[i]}; };
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == L, "one q/k/v bias (or None) per layer, or none at all");
     for (size_t l = 0; l < L; ++l) {
       std::optional<torch::Tensor> bias = qkv_bias.empty() ? std::nullopt : qkv_bias[l];
       if (bias.has_value())
-        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->dim() == 1 && bias->size(0) == qs[4 * l].size(0),
-                    "layer ", l, "'s q/k/v bias must be float32 [", qs[4 * l].size(0), "]");
+        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->dim() == 1 && bias->size(0) == arrays[4 * l][0].size(0),
+                    "layer ", l, "'s q/k/v bias must be float32 [", arrays[4 * l][0].size(0), "]");
       layers_.push_back(Layer{norms[2 * l], norms[2 * l + 1], matrix(4 * l), matrix(4 * l + 1), matrix(4 * l + 2),
                               matrix(4 * l + 3), bias});
     }
@@ -89,11 +101,11 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&, const std::vector<torch::Tensor>&,
-                    const std::vector<std::optional<torch::Tensor>>&, const std::vector<bool>&, double, int64_t,
+      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<std::string>&,
+                    const std::vector<std::vector<torch::Tensor>>&, double, int64_t,
                     const std::vector<std::optional<torch::Tensor>>&>(),
-           py::arg("norms"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("q41"), py::arg("eps"),
-           py::arg("num_heads"), py::arg("qkv_bias") = std::vector<std::optional<torch::Tensor>>())
+           py::arg("norms"), py::arg("kinds"), py::arg("arrays"), py::arg("eps"), py::arg("num_heads"),
+           py::arg("qkv_bias") = std::vector<std::optional<torch::Tensor>>())
       .def("forward", &DecodeStack::forward, "x [T, H] float32 through every layer of a decode step")
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }
