@@ -24,7 +24,7 @@ def kernels_report() -> dict[str, str]:
 
     block = state(block_gemm.build_error(), "built (AVX512-VNNI)" if block_gemm.uses_vnni() else "built (AVX2)")
     return {
-        "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)": block,
+        "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)": block,
         "ggml dot products (every other GGUF type)": state(ggml_gemm.build_error(), f"built ({ggml_gemm.ggml_dir()})"),
         "C++ attention": state(cpu_attention.build_error()),
         "C++ sampler": state(cpu_sampler.build_error()),

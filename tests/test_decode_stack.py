@@ -89,6 +89,13 @@ def as_blocks(w: torch.Tensor, kind: str):
         d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(1e-6)
         return BlockQuantized("q8_0", torch.round(blocks / d.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k),
                               d).to_block_weights()
+    if kind == "q6_k":
+        scale = blocks.view(n, -1, 16).abs().amax(-1) / 31  # per 16 values
+        ds = (scale.view(n, -1, 16).amax(-1) / 127).half().float().clamp_min(1e-6)
+        sc = torch.round(scale / ds.repeat_interleave(16, 1)).clamp(1, 127)
+        step = (ds.repeat_interleave(16, 1) * sc).unsqueeze(-1)
+        q = torch.round(w.float().view(n, -1, 16) / step).clamp(-32, 31).to(torch.int8).view(n, k)
+        return bg.pack_q6_k(q, ds, sc.to(torch.int8))
     qmax = 15 if kind.startswith("q4") else 31
     lo = blocks.amin(-1).clamp_max(0)
     d = ((blocks.amax(-1) - lo) / qmax).clamp_min(1e-6)
@@ -108,7 +115,7 @@ def as_blocks(w: torch.Tensor, kind: str):
 
 
 def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
-    """Q5_1 (GGUF Q5_0 / Q5_1), Q4_K, Q5_K and Q8_0 matrices mixed across a model's layers: the
+    """Q5_1 (GGUF Q5_0 / Q5_1), Q4_K, Q5_K, Q6_K and Q8_0 matrices mixed across a model's layers: the
     stack's samples and log-probabilities equal the layer loop's bit for bit."""
     from conftest import tiny_llama
 
@@ -117,10 +124,10 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 2, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_1", "q4_k", "q5_k", "q8_0"]
+    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k"]
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
-            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(i + j) % 4]))
+            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(i + j) % 5]))
     assert {layer[n].kind for layer in model.layers for n in ("qkv", "o", "gate_up", "down")} == set(kinds)
     calls = count_stack_steps(monkeypatch)
     prompts = [[random.Random(i).randrange(29) for _ in range(30 + 7 * i)] for i in range(3)]

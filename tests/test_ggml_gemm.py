@@ -134,7 +134,8 @@ def test_bad_shapes_are_clear_errors():
 @pytest.mark.parametrize("types, k", [
     (types, k) for types in (["Q5_0"], ["Q5_1"], ["Q4_0", "Q5_1", "Q4_1"], ["Q5_0", "Q5_0", "Q5_1"], ["Q8_0"])
     for k in (96, 576)  # an odd number of blocks (the last one alone) and the default model's
-] + [(types, k) for types in (["Q4_K"], ["Q5_K"], ["Q4_K", "Q5_K", "Q4_K"]) for k in (256, 1536)])
+] + [(types, k) for types in (["Q4_K"], ["Q5_K"], ["Q4_K", "Q5_K", "Q4_K"], ["Q6_K"], ["Q6_K", "Q6_K"])
+       for k in (256, 1536)])
 def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K bytes repacked once for forklm's block kernel
     (quant.stored_block_weights: Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks with minimum −8d / −16d; the

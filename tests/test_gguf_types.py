@@ -158,7 +158,7 @@ def test_forklm_info_names_each_weights_kernel(kquant_gguf, capsys):
     assert "avx2" in doc["cpu features forklm's rules see"]
     assert doc["kernels"]["ggml dot products (every other GGUF type)"].startswith("built")
     layers = doc["model"]["layers"]
-    assert any(k.startswith("down: Q6_K as stored -> ggml") for k in layers)
+    assert any(k.startswith("down: Q6_K -> block kernel (q6_k layout") for k in layers)
     assert any(k.startswith("gate_up: Q5_0+Q5_0 -> block kernel (q5_1 layout") for k in layers)
     assert any(k.startswith("qkv: Q5_0+Q5_0+Q8_0 as stored -> ggml") for k in layers)  # mixed 5- and 8-bit parts
     assert doc["model"]["decode stack"].startswith("off (")  # and why

@@ -153,6 +153,10 @@ class BlockWeights:
           (6-bit block minima, grouped as q4_1's m) and dm float16 [⌈N/8⌉, K/256, 8] (the super-blocks'
           −dmin, grouped the same way): w = ds·sc·q + dm·mq, each product exact in float32.
     q5_k: q4_k's arrays and q5_1's qh.
+    q6_k: GGUF Q6_K (K a multiple of 256): qs as q4_1's (the values' low 4 bits), q2 uint8 [N, K/4]
+          (bits 4-5: per block of 32, byte j holds those of values j, j + 8, j + 16, j + 24 at bits
+          0-1, 2-3, 4-5, 6-7), d float16 [N, K/256] (ds) and sc int8 [N, K/16] (a scale per 16
+          values), m None: w = ds·sc·(q − 32).
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
     """
 
@@ -165,25 +169,32 @@ class BlockWeights:
     qh: torch.Tensor | None = None  # q5_1 / q5_k only
     sc: torch.Tensor | None = None  # q4_k / q5_k only
     dm: torch.Tensor | None = None  # q4_k / q5_k only
+    q2: torch.Tensor | None = None  # q6_k only
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm) if t is not None]
+        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm, self.q2) if t is not None]
 
     def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
         """The arrays in the order the kernel's `gemm_<kind>` takes them."""
         return {"q4_1": (self.qs, self.d, self.m), "q5_1": (self.qs, self.qh, self.d, self.m),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
-                "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm), "q8_0": (self.qs, self.d)}[self.kind]
+                "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
+                "q6_k": (self.qs, self.q2, self.d, self.sc), "q8_0": (self.qs, self.d)}[self.kind]
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q [N, K] uint8 0..15 / 0..31 or int8, d float32 [N, K/32], m float32 or None)."""
+        """(q [N, K] uint8 0..15 / 0..31 or int8, d float32 [N, K/32] (q6_k: [N, K/16], a scale per 16
+        values), m float32 or None)."""
         if self.kind == "q8_0":
             return self.qs, self.d.float(), None
         nib = self.qs.view(self.n, self.k // BLOCK, 16)
         q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
+        if self.kind == "q6_k":
+            high = (self.q2.view(self.n, self.k // BLOCK, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+            q = (q | (high.reshape(self.n, self.k) << 4)).to(torch.int8) - 32
+            return q, self.d.float().repeat_interleave(16, dim=1) * self.sc.float(), None
         if self.qh is not None:
             bits = arrange_high_bits(self.qh).long() & 0xFFFFFFFF  # [N, nb]: bit j = value j's fifth bit
             fifth = (bits.unsqueeze(-1) >> torch.arange(BLOCK)) & 1  # [N, nb, 32]
@@ -199,7 +210,7 @@ class BlockWeights:
         pick = lambda t: None if t is None else t.index_select(0, ids)
         regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
         return BlockWeights(self.kind, pick(self.qs), pick(self.d), regroup(self.m), int(ids.numel()), self.k,
-                            pick(self.qh), pick(self.sc), regroup(self.dm))
+                            pick(self.qh), pick(self.sc), regroup(self.dm), pick(self.q2))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block (`BlockQuantized.dequantize` of the unpacked values)."""
@@ -237,6 +248,19 @@ def pack_k_quant(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor, dm: torch.
     qs = low.qs if five else pack_q4_1(q, torch.zeros(n, k // BLOCK), torch.zeros(n, k // BLOCK)).qs
     return BlockWeights("q5_k" if five else "q4_k", qs, _exact_half(ds, "ds"), block_minima(mq.to(torch.uint8)), n, k,
                         low.qh if five else None, sc.to(torch.uint8).contiguous(), block_minima(_exact_half(dm, "dm")))
+
+
+def pack_q6_k(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeights:
+    """q int8 [N, K] in −32..31, ds [N, K/256] holding float16 values, sc int8 [N, K/16]."""
+    n, k = q.shape
+    if k % 256:
+        raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
+    u = (q.to(torch.int16) + 32).to(torch.uint8)
+    qs = pack_q4_1(u & 0x0F, torch.zeros(n, k // BLOCK), torch.zeros(n, k // BLOCK)).qs
+    high = (u >> 4).view(n, k // BLOCK, 4, 8)  # [.., s, j]: value j + 8s
+    q2 = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, k // 4)
+    return BlockWeights("q6_k", qs, _exact_half(ds, "ds"), None, n, k, sc=sc.to(torch.int8).contiguous(),
+                        q2=q2.contiguous())
 
 
 def _as_int32(words: torch.Tensor) -> torch.Tensor:
@@ -344,11 +368,13 @@ def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tenso
     if residual is not None:
         return residual + gemm_reference(x, w)
     t, k = x.shape
-    nb = k // BLOCK
     qx, dx, sx = quantize_q8_reference(x)
     qw, dw, mw = w.unpack()
-    isum = torch.einsum("tbi,obi->tob", qx.long().view(t, nb, BLOCK), qw.long().view(w.n, nb, BLOCK))  # [T, N, nb]
-    y = (isum.double() * dx.double().unsqueeze(1) * dw.double().unsqueeze(0)).sum(-1)
+    ng = dw.shape[1]  # groups of values sharing a weight scale: blocks of 32 (q6_k: halves of 16)
+    g = k // ng
+    isum = torch.einsum("tbi,obi->tob", qx.long().view(t, ng, g), qw.long().view(w.n, ng, g))  # [T, N, ng]
+    dxg = dx.repeat_interleave(BLOCK // g, dim=1)
+    y = (isum.double() * dxg.double().unsqueeze(1) * dw.double().unsqueeze(0)).sum(-1)
     if mw is not None:
         y = y + sx.double() @ mw.double().t()
     return y.float()

@@ -2,9 +2,11 @@
 CPU dot products (csrc/ggml_gemm.cpp over libggml-cpu, which `scripts/build_ggml.sh` builds from the
 same llama.cpp sources forklm benchmarks against).
 
-Why ggml's kernels: they are llama.cpp's own for every block type (Q4_0 ... Q6_K, IQ4_NL, F16,
-BF16), so a file's arithmetic is the one its publisher measured, and forklm has no hand-written
-kernel for these types that beats them. Each activation row is converted to the type's
+Which types come here: those forklm's block kernel (block_gemm.py) does not run (Q2_K, Q3_K,
+IQ4_NL, IQ4_XS, F16, BF16), and fused matrices whose parts take different block layouts (a Q5_0 q
+beside a Q8_0 v). ggml's kernels are llama.cpp's own, so such a file's arithmetic is the one its
+publisher measured; the block kernel's multi-row tiles are 2-3.5x faster from 8 rows on the types
+both run, so those go there. Each activation row is converted to the type's
 `vec_dot_type` (Q8_0 / Q8_1 / Q8_K blocks or F16 / BF16) on its own and each output is one
 `vec_dot` of a weight row with an activation row: a row's result depends on that row alone,
 whatever the number of rows.
@@ -84,7 +86,7 @@ def build_error() -> str | None:
         except Exception as e:  # noqa: BLE001 - reported, and every file that needs it is refused by name
             text = str(e).strip()
             reason = f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
-    warnings.warn(f"forklm: ggml's CPU kernels (GGUF types other than Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0) are not available: {reason}",
+    warnings.warn(f"forklm: ggml's CPU kernels (GGUF types the block kernel does not run) are not available: {reason}",
                   RuntimeWarning, stacklevel=2)
     return reason
 

@@ -180,7 +180,7 @@ class BlockQuantized:
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], computed as gguf's numpy dequantization does ((d·q) + m in float32)."""
         n, k = self.q.shape
-        q = self.q.float().view(n, k // self.BLOCK, self.BLOCK)
+        q = self.q.float().view(n, self.d.shape[1], -1)  # blocks of 32 (Q6_K: 16) values sharing a scale
         w = q * self.d.unsqueeze(-1)
         if self.m is not None:
             w = w + self.m.unsqueeze(-1)
@@ -404,13 +404,13 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
 
 # GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
 BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0",
-                      "Q4_K": "q4_k", "Q5_K": "q5_k"}
+                      "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
 def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
     Q4_0 / Q4_1 parts as q4_1, with a Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth
-    bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q8_0 parts only as q8_0."""
+    bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K parts as q6_k; Q8_0 parts as q8_0."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -433,6 +433,48 @@ def _k_quant_rows(blocks: torch.Tensor, type_name: str):
         bits = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1  # [n, nsb, 8, 32]
         q = q | (bits.view(n, nsb, 4, 2, 32) << 4)
     return q.reshape(n, nsb * 256), ds, (-dmin.float()).half(), sc.reshape(n, nsb * 8), mq.reshape(n, nsb * 8)
+
+
+def _q6_k_rows(blocks: torch.Tensor):
+    """Q6_K blocks uint8 [n, K/256, 210] -> (values uint8 [n, K] in 0..63 (q + 32), ds float16
+    [n, K/256], sc int8 [n, K/16]), as ggml's dequantize_row_q6_K reads them."""
+    n, nsb, _ = blocks.shape
+    ql = blocks[..., 0:128].reshape(n, nsb, 2, 1, 64)  # per half of 128 values: 64 bytes of nibbles
+    qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32)  # and 32 bytes of 2-bit pairs
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3).reshape(n, nsb, 2, 4, 32)  # value 32k + l of the half
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [n, nsb, 2, 4, 32]
+    q = (low | (high << 4)).reshape(n, nsb * 256)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, nsb * 16)
+    ds = blocks[..., 208:210].contiguous().view(torch.float16).view(n, nsb)
+    return q, ds, sc
+
+
+def stored_q6_k_weights(parts: list[GGMLWeights]):
+    """GGUF Q6_K parts fused along `out` in the block kernel's q6_k layout (`BlockWeights`): every
+    value as stored, 6.6 bits a weight as in the file. Rows are repacked a chunk at a time."""
+    from forklm.kernels import block_gemm
+    from forklm.models.gguf_file import release_pages
+
+    n, k = sum(p.n for p in parts), parts[0].k
+    nb, nsb = k // 32, k // 256
+    qs, q2 = torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // 4, dtype=torch.uint8)
+    ds, sc = torch.empty(n, nsb, dtype=torch.float16), torch.empty(n, k // 16, dtype=torch.int8)
+    r = 0
+    for p in parts:
+        for c0 in range(0, p.n, 1024):
+            ids = torch.arange(c0, min(p.n, c0 + 1024))
+            raw = p.stored_rows(ids) if p.row_order is not None else p.data[ids]
+            q, ds_c, sc_c = _q6_k_rows(raw.view(len(ids), nsb, -1))
+            rows = slice(r + c0, r + c0 + len(ids))
+            qb = q.view(len(ids), nb, 32)
+            qs[rows] = ((qb[..., :16] & 0x0F) | ((qb[..., 16:] & 0x0F) << 4)).reshape(len(ids), k // 2)
+            hb = (qb >> 4).view(len(ids), nb, 4, 8)  # [.., s, j]: value j + 8s's bits 4-5
+            q2[rows] = (hb[:, :, 0] | (hb[:, :, 1] << 2) | (hb[:, :, 2] << 4) | (hb[:, :, 3] << 6)).reshape(len(ids), k // 4)
+            ds[rows], sc[rows] = ds_c, sc_c
+        r += p.n
+        if p.mapped:
+            release_pages(p.data)
+    return block_gemm.BlockWeights("q6_k", qs, ds, None, n, k, sc=sc, q2=q2)
 
 
 def stored_k_quant_weights(parts: list[GGMLWeights], kind: str):
@@ -487,6 +529,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
     if kind in ("q4_k", "q5_k"):
         return stored_k_quant_weights(parts, kind)
+    if kind == "q6_k":
+        return stored_q6_k_weights(parts)
     n, k, nb = sum(p.n for p in parts), parts[0].k, parts[0].k // 32
     q8 = kind == "q8_0"
     # the outputs allocated once and each part copied into its rows: one copy of the weights at a time

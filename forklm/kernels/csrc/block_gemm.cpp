@@ -8,6 +8,8 @@
 //   Q4_K  Q4_1's values with the K-quants' scales: per block d = ds·sc (ds fp16 per 8 blocks, sc a
 //         6-bit integer per block) and m = dm·mq (the same way), formed exactly in float32
 //   Q5_K  Q5_1's values with the K-quants' scales
+//   Q6_K  w = ds·sc·q, q in −32..31 (4 low bits as Q4_1's nibbles, 2 high bits in q2), sc an int8
+//         per 16 values under a float16 ds per 256 (`tile_q6`)
 //   Q8_0  w = d·q, q int8
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
@@ -142,8 +144,9 @@ struct Weights {
   int64_t nb;
   int64_t row_bytes;  // of qs
   const uint32_t* qh = nullptr;  // Q5_1 / Q5_K only
-  const uint8_t* sc = nullptr;   // K-quant scales only
+  const uint8_t* sc = nullptr;   // K-quant scales only (Q6_K: int8 [N, 2·nb], one per 16 values)
   const uint16_t* dm = nullptr;  // K-quant scales only
+  const uint8_t* q2 = nullptr;   // Q6_K only: [N, nb, 8] the values' bits 4-5 (`load_q6`)
 };
 
 // 32 bytes, byte i = 0x10 where bit i of `bits` is set, else 0: the fifth bits of 32 values, to OR
@@ -283,6 +286,10 @@ inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int
   if (w.qh != nullptr) {
     const char* bits = reinterpret_cast<const char*>(w.qh + first * w.nb);
     for (int64_t off = 0; off < count * w.nb * 4; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
+  }
+  if (w.q2 != nullptr) {
+    const char* bits = reinterpret_cast<const char*>(w.q2 + first * w.nb * 8);
+    for (int64_t off = 0; off < count * w.nb * 8; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
   }
 }
 
@@ -480,6 +487,62 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
 }
 
 // Outputs [o0, o1) for TN rows: TO outputs at a time, the remainder one by one.
+// Q6_K block b of output o as 32 int8 values q − 32 in −32..31: the nibbles as Q4_1's, and the 8
+// bytes of q2 where byte j holds the bits 4-5 of values j, j + 8, j + 16, j + 24 (bits 0-1, 2-3, 4-5,
+// 6-7): broadcast to the four 8-byte quarters, quarter s shifted right by 2s.
+inline __m256i load_q6(const Weights& w, int64_t o, int64_t b) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
+  const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+  int64_t bits;
+  std::memcpy(&bits, w.q2 + (o * w.nb + b) * 8, sizeof bits);
+  __m256i high = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
+  high = _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(3)), 4);  // bytes <= 3 before: none spills
+  return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+}
+
+// Q6_K products of TO outputs and TN rows: as `tile`'s Q8_0 path (signed values), each block's 8
+// int32 sums scaled per half (lanes 0-3: values 0-15, lanes 4-7: values 16-31, each half its own
+// sub-block scale ds·sc, exact in float32) times the row's dx. scratch: >= 2·TO·nb floats.
+template <int TO, int TN>
+void tile_q6(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
+  const int64_t nb = w.nb;
+  float* dw = scratch;  // [TO, 2·nb]
+  prefetch_outputs(w, o + 2 * TO, TO, N);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc);
+  for (int i = 0; i < TO; ++i)
+    for (int64_t s = 0; s < 2 * nb; ++s)
+      dw[i * 2 * nb + s] = half_to_float(w.d[(o + i) * (nb / 8) + s / 16]) * static_cast<float>(sc[(o + i) * 2 * nb + s]);
+  __m256 acc[TO][TN];
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i half_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wv[TO];
+    __m256 dwv[TO];
+    for (int i = 0; i < TO; ++i) {
+      wv[i] = load_q6(w, o + i, b);
+      dwv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_two(dw + i * 2 * nb + 2 * b)), half_idx);
+    }
+    for (int j = 0; j < TN; ++j) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
+      const __m256 dx = _mm256_set1_ps(x.d[j * nb + b]);
+      for (int i = 0; i < TO; ++i) {
+        const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dwv[i], dx), p, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]);
+}
+
+template <int TO, int TN>
+void tile_q6_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
+  int64_t o = o0;
+  for (; o + TO <= o1; o += TO) tile_q6<TO, TN>(w, o, x, y, N, scratch);
+  for (; o < o1; ++o) tile_q6<1, TN>(w, o, x, y, N, scratch);
+}
+
 template <bool Q41, int TO, int TN, bool H5 = false, bool KS = false>
 void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
   int64_t o = o0;
@@ -596,13 +659,15 @@ constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 constexpr int64_t SCRATCH_PER_BLOCK =
     cmax(cmax(FORKLM_ROW_TILE_OUTS * 5, FORKLM_ONE_ROW_TILE_OUTS * 2), cmax(2 * 4, 4 * 3));
 
-// Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm).
-template <bool Q41, bool H5 = false, bool KS = false>
+// Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm);
+// S6: Q6_K (qs, q2 passed as qh, d: ds, sc).
+template <bool Q41, bool H5 = false, bool KS = false, bool S6 = false>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
                    double eps, const std::optional<torch::Tensor>& residual, const torch::Tensor& qh = torch::Tensor(),
                    const torch::Tensor& sc = torch::Tensor(), const torch::Tensor& dm = torch::Tensor()) {
   static_assert(Q41 || (!H5 && !KS), "fifth bits and K-quant scales belong to blocks with minima");
+  static_assert(!S6 || (!Q41 && !H5 && !KS), "Q6_K is a layout of its own");
   const torch::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(),
               "activations must be a float32 CPU matrix [T, K]");
@@ -611,10 +676,21 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const int64_t T = x.size(0), K = mode == SWIGLU ? x.size(1) / 2 : x.size(1), nb = K / QK, n = qs.size(0);
   TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  const int64_t row_bytes = Q41 ? nb * 16 : K;
+  const int64_t row_bytes = Q41 || S6 ? nb * 16 : K;
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
               "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
-  if (KS) {
+  if (S6) {
+    TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
+    TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() && qh.is_cpu() &&
+                    qh.size(0) == n && qh.size(1) == nb * 8,
+                "Q6_K high bits q2 must be contiguous uint8 [N, K/4]");
+    TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
+                    d.size(1) == nb / 8,
+                "super-block scales ds must be contiguous float16 [N, K/256]");
+    TORCH_CHECK(sc.defined() && sc.dim() == 2 && sc.scalar_type() == torch::kInt8 && sc.is_contiguous() && sc.is_cpu() &&
+                    sc.size(0) == n && sc.size(1) == 2 * nb,
+                "Q6_K sub-block scales sc must be contiguous int8 [N, K/16]");
+  } else if (KS) {
     TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
     TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
                     d.size(1) == nb / 8,
@@ -660,8 +736,9 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const Weights w{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
                   H5 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
-                  KS ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
-                  KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr};
+                  KS || S6 ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
+                  KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr,
+                  S6 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
   const int8_t* qx = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const float* sx = xq.s.data_ptr<float>();
@@ -701,6 +778,18 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       const Acts all{qx, dx, sx, K, nb, chunk_minima ? minima.data() : nullptr, c1 - c0, c0};
       const auto pairs_from = [&](int64_t t) { return PairedActs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8}; };
       int64_t t = 0;
+      if constexpr (S6) {
+        for (; t + 4 <= T; t += 4)
+          tile_q6_rows<FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+        const Acts rest = all.rows_from(t);
+        switch (T - t) {
+          case 3: tile_q6_rows<2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 2: tile_q6_rows<4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 1: tile_q6_rows<1, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          default: break;
+        }
+        t = T;
+      }
       if (paired_rows) {
         if constexpr (FORKLM_PAIRED_TILE_ROWS != 4)
           for (; t + FORKLM_PAIRED_TILE_ROWS <= T; t += FORKLM_PAIRED_TILE_ROWS)
@@ -760,6 +849,12 @@ torch::Tensor gemm_q5_k(const torch::Tensor& x, const torch::Tensor& qs, const t
   return gemm<true, true, true>(x, qs, ds, mq, prologue, norm_weight, eps, residual, qh, sc, dm);
 }
 
+torch::Tensor gemm_q6_k(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& q2, const torch::Tensor& ds,
+                        const torch::Tensor& sc, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
+                        double eps, const std::optional<torch::Tensor>& residual) {
+  return gemm<false, false, false, true>(x, qs, ds, ds, prologue, norm_weight, eps, residual, q2, sc);
+}
+
 torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, int64_t prologue,
                         const std::optional<torch::Tensor>& norm_weight, double eps,
                         const std::optional<torch::Tensor>& residual) {
@@ -782,6 +877,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q5_1", &gemm_q5_1, "y [T, N] = x [T, K] float32 times Q5_1 weights (Q4_1's arrays and the fifth bits qh int32 [N, K/32])");
   m.def("gemm_q4_k", &gemm_q4_k, "y [T, N] = x [T, K] float32 times Q4_K values in Q4_1's layout with K-quant scales (ds fp16 [N, K/256], sc uint8 [N, K/32], mq uint8 [ceil(N/8), K/32, 8], dm fp16 [ceil(N/8), K/256, 8])");
   m.def("gemm_q5_k", &gemm_q5_k, "y [T, N] = x [T, K] float32 times Q5_K values (gemm_q4_k's arrays and the fifth bits qh int32 [N, K/32])");
+  m.def("gemm_q6_k", &gemm_q6_k, "y [T, N] = x [T, K] float32 times Q6_K values (qs uint8 [N, K/2] low nibbles as Q4_1's, q2 uint8 [N, K/4] bits 4-5, ds fp16 [N, K/256], sc int8 [N, K/16])");
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])");
   m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])");
 }
