@@ -40,7 +40,7 @@ def _placement(w: Any) -> str:
     if isinstance(w, BlockLinear):
         stored = "+".join(w.stored_types) if w.stored_types else "from float"
         copy = f", dense {w.dense.dtype} copy above {w.max_rows} rows" if w.dense is not None else ""
-        return f"{stored} -> block kernel ({w.blocks.kind} layout, Q8 activations{copy})"
+        return f"{stored} -> block kernel ({w.kind} layout, Q8 activations{copy})"
     if isinstance(w, QuantizedLinear):
         copy = f", dense {w.dense.dtype} copy above {w.max_rows} rows" if w.dense is not None else ""
         return f"{w.kind} -> PyTorch's {w.kind} kernel ({w.dtype} activations{copy})"

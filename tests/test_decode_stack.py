@@ -128,7 +128,15 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
             layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(i + j) % 5]))
-    assert {layer[n].kind for layer in model.layers for n in ("qkv", "o", "gate_up", "down")} == set(kinds)
+    # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside Q6_K)
+    for layer, (a, b) in zip(model.layers, (("q5_1", "q8_0"), ("q4_k", "q6_k"))):
+        w = layer["qkv"].dequantize()
+        layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)])
+        w = layer["gate_up"].dequantize()
+        layer["gate_up"] = BlockLinear([as_blocks(w[:512], b), as_blocks(w[512:], a)])
+        w = layer["down"].dequantize()  # the residual fused into parts: each its columns
+        layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k"}
     calls = count_stack_steps(monkeypatch)
     prompts = [[random.Random(i).randrange(29) for _ in range(30 + 7 * i)] for i in range(3)]
     outs = {}
@@ -182,7 +190,7 @@ def test_a_malformed_stack_is_refused_with_a_message():
     with pytest.raises(RuntimeError, match="2 norms and 4 block matrices per layer"):
         ext.DecodeStack([layer["attn_norm"]], [], [], 1e-5, 4)
     with pytest.raises(RuntimeError, match="unknown block layout q9_9"):
-        ext.DecodeStack([layer["attn_norm"], layer["mlp_norm"]], ["q9_9"] * 4, [[]] * 4, 1e-5, 4)
+        ext.DecodeStack([layer["attn_norm"], layer["mlp_norm"]], [["q9_9"]] * 4, [[[]]] * 4, 1e-5, 4)
 
 
 def test_the_environment_switch_turns_the_stack_off():

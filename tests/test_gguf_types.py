@@ -54,8 +54,9 @@ def test_every_type_runs_as_stored_with_no_dense_copy(zoo_gguf, zoo_llms):
             w = layer[name]
             assert isinstance(w, (GGMLLinear, BlockLinear)) and w.dense is None, (name, w)
             kinds.update(w.stored_types)
-            if quant.block_kernel_kind(w.stored_types) is not None:
-                # forklm's block kernel (Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks, exactly)
+            if all(quant.block_kernel_kind([t]) is not None for t in w.stored_types):
+                # forklm's block kernel (Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks, exactly; parts of different
+                # layouts side by side)
                 assert isinstance(w, BlockLinear), (name, w.stored_types)
             else:
                 assert isinstance(w, GGMLLinear)
@@ -129,17 +130,20 @@ def test_a_type_without_a_kernel_is_refused_by_name():
         quant.stored_matrix(parts, torch.float32, torch.device("cpu"))
 
 
-def test_without_ggml_a_k_quant_file_is_refused_and_the_float_path_runs(kquant_gguf):
+def test_without_ggml_a_file_of_its_types_is_refused_and_the_float_path_runs(zoo_gguf, kquant_gguf):
+    """Without ggml's kernels: the Q4_K_M-like file runs whole on the block kernel; the zoo file
+    (IQ4_NL, F16, Q2_K ... only ggml runs) is refused by name, and its float path still runs."""
     code = (
         "import sys\n"
         "from forklm import LLM\n"
         "from forklm.errors import UnsupportedModelError\n"
-        f"path = {str(kquant_gguf)!r}\n"
+        f"assert LLM({str(kquant_gguf)!r}).sample('Hello', n=2, max_tokens=3, seed=0).samples\n"
+        f"path = {str(zoo_gguf)!r}\n"
         "try:\n"
         "    LLM(path)\n"
         "    sys.exit('loaded without its kernels')\n"
         "except UnsupportedModelError as e:\n"
-        "    assert 'Q8_0' in str(e) and 'quantize=None' in str(e) and 'FORKLM_GGML=0' in str(e), e\n"
+        "    assert 'ggml' in str(e) and 'quantize=None' in str(e) and 'FORKLM_GGML=0' in str(e), e\n"
         "out = LLM(path, quantize=None).sample('Hello', n=2, max_tokens=3, seed=0)\n"
         "assert len(out.samples) == 2\n"
     )
@@ -160,7 +164,7 @@ def test_forklm_info_names_each_weights_kernel(kquant_gguf, capsys):
     layers = doc["model"]["layers"]
     assert any(k.startswith("down: Q6_K -> block kernel (q6_k layout") for k in layers)
     assert any(k.startswith("gate_up: Q5_0+Q5_0 -> block kernel (q5_1 layout") for k in layers)
-    assert any(k.startswith("qkv: Q5_0+Q5_0+Q8_0 as stored -> ggml") for k in layers)  # mixed 5- and 8-bit parts
-    assert doc["model"]["decode stack"].startswith("off (")  # and why
+    assert any(k.startswith("qkv: Q5_0+Q5_0+Q8_0 -> block kernel (q5_1+q8_0 layout") for k in layers)  # mixed parts
+    assert doc["model"]["decode stack"] == "on"
     assert main(["info", "--no-model"]) == 0
     assert "block kernel" in capsys.readouterr().out

@@ -73,7 +73,7 @@ def build(model) -> DecodeStack | None:
     mats = [layer[n] for layer in model.layers for n in names]
     kernel = _extension().DecodeStack(
         [t for layer in model.layers for t in (layer["attn_norm"], layer["mlp_norm"])],
-        [w.blocks.kind for w in mats], [list(w.blocks.kernel_arrays()) for w in mats],
+        [[p.kind for p in w.parts] for w in mats], [[list(p.kernel_arrays()) for p in w.parts] for w in mats],
         float(model.config.rms_norm_eps), model.config.num_heads, [layer.get("qkv_bias") for layer in model.layers],
     )
     return DecodeStack(kernel, min(w.max_rows for w in mats))

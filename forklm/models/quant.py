@@ -304,24 +304,29 @@ class QuantizedLinear:
 
 
 class BlockLinear(QuantizedLinear):
-    """y = x @ wᵀ with w [out, in] kept as a GGUF file's Q4_1 / Q5_1 / Q8_0 blocks (Q4_0 / Q5_0 as
-    Q4_1 / Q5_1 blocks with minimum −8d / −16d, the same values), run by forklm's AVX2 integer kernel (`forklm.kernels.block_gemm`:
-    activations quantized per row and block of 32, as llama.cpp does; each row's result depends on
-    that row alone) at every row count. keep_dense=True (opt-in, no file's default path) adds a
-    dense copy (`block_dense_dtype()`) for steps of more than `max_rows` rows. The model's
-    activations are float32 either way."""
+    """y = x @ wᵀ with w [out, in] kept as a GGUF file's blocks in one of the block kernel's layouts
+    (`forklm.kernels.block_gemm.BlockWeights`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
+    Q6_K, every value as stored), run by forklm's AVX2 integer kernel (activations quantized per row
+    and block of 32, as llama.cpp does; each row's result depends on that row alone) at every row
+    count. A fused matrix whose parts take different layouts (a Q5_0 q beside a Q8_0 v) holds one
+    BlockWeights per run of parts (`parts`), multiplied one after the other into their columns.
+    keep_dense=True (opt-in, no file's default path) adds a dense copy (`block_dense_dtype()`) for
+    steps of more than `max_rows` rows. The model's activations are float32 either way."""
 
     stored_types: list[str] | None = None  # the GGUF types of the fused parts, where loaded from a file
 
     def __init__(self, blocks, dense_dtype: torch.dtype | None = None, max_rows: int | None = None,
                  keep_dense: bool = False):
-        self.blocks = blocks  # forklm.kernels.block_gemm.BlockWeights
-        self.kind = blocks.kind  # "q4_1" | "q5_1" | "q8_0"
-        self.out_features, self.in_features = blocks.n, blocks.k
+        self.parts = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]  # BlockWeights, along out
+        if len({p.k for p in self.parts}) != 1:
+            raise ValueError("fused block parts must share in_features")
+        self.blocks = self.parts[0] if len(self.parts) == 1 else None  # the one part, where there is one
+        self.kind = "+".join(dict.fromkeys(p.kind for p in self.parts))  # "q4_1", "q5_1+q8_0", ...
+        self.out_features, self.in_features = sum(p.n for p in self.parts), self.parts[0].k
         self.dtype = torch.float32  # the kernel's activations (and the model's)
         self.dense_dtype = dense_dtype or block_dense_dtype()
         if max_rows is None:  # with a dense copy: the measured crossover; without: every row count
-            max_rows = block_kernel_max_rows(blocks.n, self.dense_dtype) if keep_dense else sys.maxsize
+            max_rows = block_kernel_max_rows(self.out_features, self.dense_dtype) if keep_dense else sys.maxsize
         self.max_rows = max_rows
         self.dense = self.dequantize().to(self.dense_dtype) if keep_dense else None
 
@@ -329,7 +334,15 @@ class BlockLinear(QuantizedLinear):
         """float32 x; fusions: a prologue / residual (`block_gemm.gemm`'s keywords)."""
         from forklm.kernels import block_gemm
 
-        return block_gemm.gemm(x, self.blocks, **fusions)
+        if self.blocks is not None:
+            return block_gemm.gemm(x, self.blocks, **fusions)
+        outs, first = [], 0  # each part into its columns (the decode stack runs the same calls)
+        residual = fusions.pop("residual", None)
+        for p in self.parts:
+            r = None if residual is None else residual[:, first:first + p.n]
+            outs.append(block_gemm.gemm(x, p, residual=r, **fusions))
+            first += p.n
+        return torch.cat(outs, dim=1)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_rows:
@@ -342,15 +355,17 @@ class BlockLinear(QuantizedLinear):
         return y if bias is None else y + bias
 
     def dequantize(self) -> torch.Tensor:
-        return self.blocks.dequantize()
+        return torch.cat([p.dequantize() for p in self.parts])
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: rows `ids` of the weights, exact (an embedding lookup in a table
         whose dense copy is rounded to bfloat16)."""
+        if self.blocks is None:
+            raise ValueError("row lookups are for a single (unfused) table")
         return self.blocks.rows(ids).dequantize()
 
     def kernel_tensors(self) -> list[torch.Tensor]:
-        return self.blocks.tensors()
+        return [t for p in self.parts for t in p.tensors()]
 
 
 class GGMLLinear(QuantizedLinear):
@@ -587,9 +602,15 @@ def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.de
     from forklm.kernels import ggml_gemm
 
     kinds = {p.type_name for p in parts}
-    if block_kernel_kind(kinds) is not None and block_kernel_available():
+    if all(block_kernel_kind([p.type_name]) is not None for p in parts) and block_kernel_available():
+        runs: list[list[GGMLWeights]] = []  # consecutive parts that share one layout
+        for p in parts:
+            if runs and block_kernel_kind([q.type_name for q in runs[-1]] + [p.type_name]) is not None:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
         try:
-            packed = stored_block_weights(parts)
+            packed = [stored_block_weights(run) for run in runs]
         except ValueError:  # a Q4_0 / Q5_0 scale whose minimum overflows float16: ggml's kernel instead
             packed = None
         if packed is not None:

@@ -17,9 +17,9 @@
 
 namespace {
 
-// One product's weights: the kernel's layout `kind` and its arrays in the order `gemm_<kind>` takes
-// them (block_gemm.py: BlockWeights.kernel_arrays).
-struct BlockMatrix {
+// One run of a product's output columns: the kernel's layout `kind` and its arrays in the order
+// `gemm_<kind>` takes them (block_gemm.py: BlockWeights.kernel_arrays).
+struct BlockPart {
   std::string kind;
   std::vector<torch::Tensor> a;
 
@@ -34,6 +34,27 @@ struct BlockMatrix {
   }
 };
 
+// A product's weights: one part, or parts of different layouts side by side along the outputs, run
+// one after the other into their columns (as quant.py's BlockLinear.kernel does).
+struct BlockMatrix {
+  std::vector<BlockPart> parts;
+
+  torch::Tensor run(const torch::Tensor& x, Prologue mode, const std::optional<torch::Tensor>& norm, double eps,
+                    const std::optional<torch::Tensor>& r) const {
+    if (parts.size() == 1) return parts[0].run(x, mode, norm, eps, r);
+    std::vector<torch::Tensor> outs;
+    int64_t first = 0;
+    for (const BlockPart& p : parts) {
+      const int64_t width = p.a[0].size(0);
+      std::optional<torch::Tensor> rp;
+      if (r.has_value()) rp = r->narrow(1, first, width);
+      outs.push_back(p.run(x, mode, norm, eps, rp));
+      first += width;
+    }
+    return torch::cat(outs, 1);
+  }
+};
+
 struct Layer {
   torch::Tensor attn_norm, mlp_norm;
   BlockMatrix qkv, o, gate_up, down;
@@ -42,27 +63,36 @@ struct Layer {
 
 class DecodeStack {
  public:
-  // norms [2L]: attn_norm, mlp_norm per layer; kinds / arrays [4L]: qkv, o, gate_up, down per layer
-  DecodeStack(const std::vector<torch::Tensor>& norms, const std::vector<std::string>& kinds,
-              const std::vector<std::vector<torch::Tensor>>& arrays, double eps, int64_t num_heads,
+  // norms [2L]: attn_norm, mlp_norm per layer; kinds / arrays [4L]: qkv, o, gate_up, down per layer,
+  // each a list of its parts
+  DecodeStack(const std::vector<torch::Tensor>& norms, const std::vector<std::vector<std::string>>& kinds,
+              const std::vector<std::vector<std::vector<torch::Tensor>>>& arrays, double eps, int64_t num_heads,
               const std::vector<std::optional<torch::Tensor>>& qkv_bias)
       : eps_(eps), num_heads_(num_heads) {
     const size_t L = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * L && kinds.size() == 4 * L && arrays.size() == 4 * L,
                 "a decode stack needs 2 norms and 4 block matrices per layer");
     const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q6_k", 4}, {"q8_0", 2}};
-    for (size_t i = 0; i < 4 * L; ++i) {
-      const auto it = arity.find(kinds[i]);
-      TORCH_CHECK(it != arity.end(), "matrix ", i, ": unknown block layout ", kinds[i]);
-      TORCH_CHECK(arrays[i].size() == it->second, "matrix ", i, ": ", kinds[i], " takes ", it->second, " arrays");
-    }
-    auto matrix = [&](size_t i) { return BlockMatrix{kinds[i], arrays[i]}; };
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == L, "one q/k/v bias (or None) per layer, or none at all");
+    std::vector<BlockMatrix> matrices(4 * L);
+    for (size_t i = 0; i < 4 * L; ++i) {
+      TORCH_CHECK(!kinds[i].empty() && kinds[i].size() == arrays[i].size(), "matrix ", i, ": one kind per part");
+      int64_t rows = 0;
+      for (size_t j = 0; j < kinds[i].size(); ++j) {
+        const auto it = arity.find(kinds[i][j]);
+        TORCH_CHECK(it != arity.end(), "matrix ", i, ": unknown block layout ", kinds[i][j]);
+        TORCH_CHECK(arrays[i][j].size() == it->second, "matrix ", i, ": ", kinds[i][j], " takes ", it->second, " arrays");
+        matrices[i].parts.push_back(BlockPart{kinds[i][j], arrays[i][j]});
+        rows += arrays[i][j][0].size(0);
+      }
+      if (i % 4 == 0) TORCH_CHECK(qkv_bias.empty() || !qkv_bias[i / 4].has_value() || qkv_bias[i / 4]->size(0) == rows,
+                                  "layer ", i / 4, "'s q/k/v bias must be float32 [", rows, "]");
+    }
+    auto matrix = [&](size_t i) { return matrices[i]; };
     for (size_t l = 0; l < L; ++l) {
       std::optional<torch::Tensor> bias = qkv_bias.empty() ? std::nullopt : qkv_bias[l];
       if (bias.has_value())
-        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->dim() == 1 && bias->size(0) == arrays[4 * l][0].size(0),
-                    "layer ", l, "'s q/k/v bias must be float32 [", arrays[4 * l][0].size(0), "]");
+        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->dim() == 1, "layer ", l, "'s q/k/v bias must be float32");
       layers_.push_back(Layer{norms[2 * l], norms[2 * l + 1], matrix(4 * l), matrix(4 * l + 1), matrix(4 * l + 2),
                               matrix(4 * l + 3), bias});
     }
@@ -102,8 +132,8 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<std::string>&,
-                    const std::vector<std::vector<torch::Tensor>>&, double, int64_t,
+      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<std::vector<std::string>>&,
+                    const std::vector<std::vector<std::vector<torch::Tensor>>>&, double, int64_t,
                     const std::vector<std::optional<torch::Tensor>>&>(),
            py::arg("norms"), py::arg("kinds"), py::arg("arrays"), py::arg("eps"), py::arg("num_heads"),
            py::arg("qkv_bias") = std::vector<std::optional<torch::Tensor>>())
