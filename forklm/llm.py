@@ -23,7 +23,7 @@ from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
 from forklm.models.random_weights import random_config, random_weights
 from forklm.models.registry import DEFAULT_MODEL, load_model_files
 from forklm.outputs import SampleOutput
-from forklm.sampling.constraints import make_constraint
+from forklm.sampling.constraints import make_constraint, token_constraints
 from forklm.sampling.params import SamplingParams
 from forklm.speculative.config import SpeculativeConfig
 
@@ -316,6 +316,14 @@ class LLM:
         for engine in [getattr(self, "_engine", None), *self.__dict__.get("_engines_by_attention", {}).values()]:
             if engine is not None:
                 engine.clear_prefix_cache()
+
+    def check_constraint(self, constraint) -> None:
+        """InvalidArgumentError naming the parameter unless the constraint (`make_constraint`'s) runs
+        with this model's tokenizer: compiled, its first masks computed (cached by its text)."""
+        if self.tokenizer is None:
+            raise InvalidArgumentError(f"{constraint.param}: this model has no tokenizer (random weights), so its "
+                                       "text cannot be constrained")
+        token_constraints(self.tokenizer, self.eos_token_ids).check(constraint)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The engine's request checks (one place: `engine/validation.py`)."""

@@ -147,6 +147,8 @@ def test_min_tokens_and_stop_strings_with_a_constraint(smollm2_f32):
     (dict(choice="yes"), "choice"),
     (dict(choice=["a", 1]), "choice"),
     (dict(regex="a", choice=["a"]), "choice"),
+    (dict(json_schema={"$ref": "#"}), "json_schema"),  # compiles, then fails at its first mask
+    (dict(regex="a{1000000}"), "regex"),  # past llguidance's lexer limits
 ])
 def test_bad_constraints_name_their_parameter(smollm2_f32, kwargs, param):
     engine = smollm2_f32.default_engine()

@@ -109,6 +109,10 @@ def test_streamed_constrained_text_equals_whole(forklm_server, chat):
     ({"guided_choice": ["a", 1]}, "guided_choice[1]"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    # compile, then fail at their first mask: found before anything is queued
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex"),
 ])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_bad_constraints_are_400_naming_the_parameter(forklm_server, body, param, chat):

@@ -75,6 +75,8 @@ def test_seeded_runs_repeat_and_samples_do_not_depend_on_n_or_path(llm):
     a = llm.sample(PROMPT, n=4, attention="bifurcated", **kw)
     b = llm.sample(PROMPT, n=4, attention="bifurcated", **kw)
     c = llm.sample(PROMPT, n=16, attention="standard", **kw)
+    # the path asked for is the path taken (the CPU kernel once read shared segments either way)
+    assert set(a.stats.path_steps) == {"bifurcated"} and set(c.stats.path_steps) == {"standard"}
     assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
     assert [s.token_ids for s in a.samples] == [s.token_ids for s in c.samples[:4]]
     assert len({tuple(s.token_ids) for s in c.samples}) > 4  # the samples really differ

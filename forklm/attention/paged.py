@@ -291,6 +291,10 @@ class StepPlanner:
                 prefixes.append(tuple(r.block_table[:n]))
             caches.append(cache)
         segments, tail_start = self._shared(rows, prefixes)
+        if self.shared_attention == "standard" and self.decode_kernel != "torch":
+            # the kernels read a segment once for its rows whenever one is planned: standard
+            # attention plans none, so each row reads its whole cache itself
+            segments, tail_start = [], [0] * len(rows)
         if self.decode_kernel == "cpu":  # items in the rows' own order: the C++ kernel needs no plan order
             self._cpu_plan(plan, rows, segments, tail_start)
             return

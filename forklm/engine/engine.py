@@ -44,6 +44,7 @@ from forklm.engine.validation import EngineLimits, min_blocks, validate_request
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
 from forklm.outputs import SampleOutput
+from forklm.sampling.constraints import token_constraints
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sample_state import SampleState, to_sample
 from forklm.sampling.seeds import fresh_seed
@@ -235,6 +236,8 @@ class Engine:
         """Raises InvalidArgumentError unless the request can run here (`validation.py`). Reads only
         fixed configuration, so any thread may call it."""
         validate_request(prompt_ids, params, self.limits)
+        if params.constraint is not None and self.output.tokenizer is not None:  # before anything is queued
+            token_constraints(self.output.tokenizer, self.output.eos_token_ids).check(params.constraint)
 
     def min_blocks(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks one request needs to make progress with a single sample."""

@@ -139,9 +139,19 @@ def compiled_grammar(constraint: Constraint) -> str:
     return grammar
 
 
+def _first_line(message: str, limit: int = 200) -> str:
+    """An llguidance error's first line (the rest dumps its parser state)."""
+    line = (message.strip().splitlines() or ["(no message)"])[0]
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 def _first_lines(message: str, limit: int = 400) -> str:
     message = message.strip()
     return message if len(message) <= limit else message[:limit] + "..."
+
+
+# grammar steps a new constraint is walked at check time (`TokenConstraints._probe`)
+PROBE_STEPS = 4
 
 
 class ConstraintError(RuntimeError):
@@ -267,6 +277,31 @@ class TokenConstraints:
         self._starts: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
 
+    def _probe(self, constraint: Constraint, matcher: Any, steps: int = PROBE_STEPS) -> None:
+        """The first masks, on a copy, along the lowest allowed token: some grammars compile and fail
+        only when a mask is computed or a token consumed (a schema that refers to itself without
+        end, a regex whose bounded repetition is past llguidance's lexer limits); found here, they
+        are the caller's bad input instead of a failure at the request's first steps."""
+        row = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
+        for step in range(steps):
+            if matcher.is_stopped():
+                return
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            if matcher.is_error():
+                raise InvalidArgumentError(f"{constraint.param} cannot be used: {_first_line(matcher.get_error())}")
+            allowed = np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[: self.vocab_size])
+            if allowed.size == 0:
+                if step == 0:
+                    raise InvalidArgumentError(f"{constraint.param} allows no text at all: no token can start it")
+                return
+            if not matcher.consume_token(int(allowed[0])) or matcher.is_error():
+                raise InvalidArgumentError(f"{constraint.param} cannot be used: {_first_line(matcher.get_error())}")
+
+    def check(self, constraint: Constraint) -> None:
+        """Raises InvalidArgumentError naming the parameter unless the constraint runs with this
+        tokenizer (its matcher built and its first mask computed, then kept for the request)."""
+        self._start(constraint)
+
     def matchers(self, constraint: Constraint, count: int) -> list[SampleMatcher]:
         """`count` fresh matchers of a constraint (compiled once, then copied)."""
         start = self._start(constraint)
@@ -281,6 +316,7 @@ class TokenConstraints:
         start = llguidance.LLMatcher(self.lltokenizer, compiled_grammar(constraint), log_level=0)
         if start.is_error():
             raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_first_lines(start.get_error())}")
+        self._probe(constraint, start.deep_copy())
         with self._lock:
             self._starts[constraint] = start
             while len(self._starts) > COMPILED_CACHE_SIZE:

@@ -155,7 +155,7 @@ class _Server:
             max_tokens = body.max_tokens
             top_logprobs = body.logprobs or 0
             n_samples = body.best_of or body.n
-        constraint = constraint_of(body)  # compiles it (cached by its text): off the event loop, as this is
+        constraint = constraint_of(body, self.llm.check_constraint)  # compiles it (cached by its text): off the event loop, as this is
         vocab = llm.config.vocab_size
         if body.stop_token_ids and max(body.stop_token_ids) >= vocab:
             raise invalid(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")

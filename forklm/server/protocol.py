@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -207,9 +208,10 @@ def _check_neutral(body: _Body) -> None:
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
 
 
-def constraint_of(body: _Body) -> Constraint | None:
-    """The request's constraint, compiled once to check it; a 400 naming the parameter the client
-    used otherwise (at most one of response_format and the guided_* parameters)."""
+def constraint_of(body: _Body, check: Callable[[Constraint], None] | None = None) -> Constraint | None:
+    """The request's constraint, compiled once to check it (and `check`ed: the model's tokenizer
+    binding walks its first masks); a 400 naming the parameter the client used otherwise (at most
+    one of response_format and the guided_* parameters)."""
     given = [name for name in ("response_format", *GUIDED) if getattr(body, name) is not None]
     if body.response_format == {"type": "text"}:
         given.remove("response_format")
@@ -223,7 +225,10 @@ def constraint_of(body: _Body) -> Constraint | None:
     else:
         kind, arguments = GUIDED[name], {GUIDED[name]: getattr(body, name)}
     try:
-        return make_constraint(**arguments)
+        constraint = make_constraint(**arguments)
+        if check is not None and constraint is not None:
+            check(constraint)
+        return constraint
     except InvalidArgumentError as e:  # forklm names its own parameter first: name the client's
         message = str(e)
         if message.startswith(kind):
