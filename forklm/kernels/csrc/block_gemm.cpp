@@ -147,6 +147,11 @@ struct Weights {
   const uint8_t* sc = nullptr;   // K-quant scales only (Q6_K: int8 [N, 2·nb], one per 16 values)
   const uint16_t* dm = nullptr;  // K-quant scales only
   const uint8_t* q2 = nullptr;   // Q6_K only: [N, nb, 8] the values' bits 4-5 (`load_q6`)
+  // K-quant scales formed once per chunk of outputs [o0, o0 + 64) (`expand_k_scales`): df [64, nb]
+  // the blocks' d, mf [8, nb, 8] their minima grouped as m (o0 a multiple of 8)
+  const float* df = nullptr;
+  const float* mf = nullptr;
+  int64_t o0 = 0;
 };
 
 // 32 bytes, byte i = 0x10 where bit i of `bits` is set, else 0: the fifth bits of 32 values, to OR
@@ -183,10 +188,38 @@ inline void halves_to_float(const uint16_t* h, float* f, int64_t n) {
   for (; i < n; ++i) f[i] = half_to_float(h[i]);
 }
 
-// Output o's scale of block b (K-quants: ds·sc, exact in float32: 11 by 6 significant bits).
+// Two floats from p (unaligned) in lanes 0 and 1.
+inline __m128 load_two(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+
+// 8 uint8 / int8 integers as floats.
+inline __m256 u8_to_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 s8_to_float(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The K-quant scales of outputs [o0, o1) (o1 − o0 <= 64, o0 a multiple of 8) as floats: df[(o − o0)·nb + b]
+// = ds·sc and mf[((o − o0)/8·nb + b)·8 + o % 8] = dm·mq, each product exact in float32 (11 by 6
+// significant bits), formed once per chunk instead of per tile and row.
+inline void expand_k_scales(const Weights& w, int64_t o0, int64_t o1, float* df, float* mf) {
+  const int64_t nb = w.nb, nsb = nb / 8;
+  const uint8_t* mq = reinterpret_cast<const uint8_t*>(w.m);
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t sb = 0; sb < nsb; ++sb)
+      _mm256_storeu_ps(df + (o - o0) * nb + sb * 8,
+                       _mm256_mul_ps(_mm256_set1_ps(half_to_float(w.d[o * nsb + sb])), u8_to_float(w.sc + o * nb + sb * 8)));
+  for (int64_t g = o0 / 8; g < (o1 + 7) / 8; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dm + (g * nsb + b / 8) * 8)));
+      _mm256_storeu_ps(mf + ((g - o0 / 8) * nb + b) * 8, _mm256_mul_ps(dm, u8_to_float(mq + (g * nb + b) * 8)));
+    }
+}
+
+// Output o's scale of block b (K-quants: the chunk's expanded ds·sc).
 template <bool KS>
 inline float block_scale(const Weights& w, int64_t o, int64_t b) {
-  if constexpr (KS) return half_to_float(w.d[o * (w.nb / 8) + b / 8]) * static_cast<float>(w.sc[o * w.nb + b]);
+  if constexpr (KS) return w.df[(o - w.o0) * w.nb + b];
   return half_to_float(w.d[o * w.nb + b]);
 }
 
@@ -194,7 +227,7 @@ inline float block_scale(const Weights& w, int64_t o, int64_t b) {
 template <bool KS>
 inline void row_scales(const Weights& w, int64_t o, float* f) {
   if constexpr (KS) {
-    for (int64_t b = 0; b < w.nb; ++b) f[b] = block_scale<true>(w, o, b);
+    std::memcpy(f, w.df + (o - w.o0) * w.nb, w.nb * sizeof(float));
   } else {
     halves_to_float(w.d + o * w.nb, f, w.nb);
   }
@@ -203,18 +236,11 @@ inline void row_scales(const Weights& w, int64_t o, float* f) {
 // Output o's scales of blocks b and b + 1 (b even) in lanes 0 and 1.
 template <bool KS>
 inline __m128 pair_scales(const Weights& w, int64_t o, int64_t b) {
-  if constexpr (KS) {
-    const float ds = half_to_float(w.d[o * (w.nb / 8) + b / 8]);
-    const uint8_t* sc = w.sc + o * w.nb + b;
-    return _mm_setr_ps(ds * static_cast<float>(sc[0]), ds * static_cast<float>(sc[1]), 0.f, 0.f);
-  }
+  if constexpr (KS) return load_two(w.df + (o - w.o0) * w.nb + b);
   int32_t dpair;
   std::memcpy(&dpair, w.d + o * w.nb + b, sizeof dpair);
   return _mm_cvtph_ps(_mm_cvtsi32_si128(dpair));
 }
-
-// Two floats from p (unaligned) in lanes 0 and 1.
-inline __m128 load_two(const float* p) { return _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
 template <bool Q41, bool H5 = false>
 inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
@@ -302,18 +328,12 @@ template <bool KS = false>
 void minima_terms(const Weights& w, int64_t o0, int64_t o1, const float* sx, int64_t T, int64_t nb, float* mt) {
   const int64_t width = o1 - o0;
   const uint16_t* m = w.m;
-  const uint8_t* mq = reinterpret_cast<const uint8_t*>(w.m);
   const auto group8 = [&](int64_t b, int64_t o) {  // o a multiple of 8
-    if constexpr (KS) {
-      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dm + ((o >> 3) * (nb / 8) + b / 8) * 8)));
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mq + ((o >> 3) * nb + b) * 8))));
-      return _mm256_mul_ps(dm, q);
-    }
+    if constexpr (KS) return _mm256_loadu_ps(w.mf + (((o - w.o0) >> 3) * nb + b) * 8);
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + ((o >> 3) * nb + b) * 8)));
   };
   const auto minimum = [&](int64_t b, int64_t o) {
-    if constexpr (KS)
-      return half_to_float(w.dm[((o >> 3) * (nb / 8) + b / 8) * 8 + (o & 7)]) * static_cast<float>(mq[((o >> 3) * nb + b) * 8 + (o & 7)]);
+    if constexpr (KS) return w.mf[(((o - w.o0) >> 3) * nb + b) * 8 + (o & 7)];
     return half_to_float(m[((o >> 3) * nb + b) * 8 + (o & 7)]);
   };
   const auto one = [&](const float* sxt, int64_t o) {
@@ -510,8 +530,9 @@ void tile_q6(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, fl
   prefetch_outputs(w, o + 2 * TO, TO, N);
   const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc);
   for (int i = 0; i < TO; ++i)
-    for (int64_t s = 0; s < 2 * nb; ++s)
-      dw[i * 2 * nb + s] = half_to_float(w.d[(o + i) * (nb / 8) + s / 16]) * static_cast<float>(sc[(o + i) * 2 * nb + s]);
+    for (int64_t s = 0; s < 2 * nb; s += 8)  // 16 sub-blocks to a super-block
+      _mm256_storeu_ps(dw + i * 2 * nb + s, _mm256_mul_ps(_mm256_set1_ps(half_to_float(w.d[(o + i) * (nb / 8) + s / 16])),
+                                                         s8_to_float(sc + (o + i) * 2 * nb + s)));
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -733,7 +754,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   if (T == 0 || n == 0) return y;
   const QuantizedRows xq = quantize_rows(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr,
                                          static_cast<float>(eps));
-  const Weights w{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+  const Weights w_all{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
                   H5 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
                   KS || S6 ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
@@ -769,8 +790,14 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
     const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
     std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
     std::vector<float> minima(chunk_minima ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
+    std::vector<float> k_scales(KS ? ROWS_PER_CHUNK * nb : 0), k_minima(KS ? ROWS_PER_CHUNK * nb : 0);
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
+      Weights w = w_all;  // K-quants: with this chunk's scales expanded
+      if constexpr (KS) {
+        expand_k_scales(w, c0, c1, k_scales.data(), k_minima.data());
+        w.df = k_scales.data(), w.mf = k_minima.data(), w.o0 = c0;
+      }
       if (chunk_minima) {
         prefetch_minima(w, nb, c1, std::min(z, c1 + ROWS_PER_CHUNK));  // the next chunk's
         minima_terms<KS>(w, c0, c1, sx, T, nb, minima.data());
