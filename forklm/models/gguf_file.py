@@ -40,6 +40,9 @@ class GGUFTensor:
     n_bytes: int
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf: memoryview) -> None:
         self.buf, self.pos = buf, 0
@@ -72,8 +75,26 @@ class _Cursor:
                 values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).tolist()
                 self.pos = end
                 return values
+            if item_type == _STRING:
+                return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {vtype}")
+
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary, its merges): `string` without the per-item calls."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            (n,) = length(buf, pos)
+            pos += 8
+            if pos + n > end:
+                raise ValueError("string runs past the end of the file")
+            append(str(buf[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
 
 
 def release_pages(view) -> None:
