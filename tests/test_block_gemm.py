@@ -398,3 +398,13 @@ def test_cpu_isa_avx2_takes_every_choice_an_avx2_cpu_would(monkeypatch):
     finally:
         monkeypatch.delenv("FORKLM_CPU_ISA")
         cpu_flags.cache_clear()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weight_rows_of_every_layout_are_those_rows(kind):
+    """`rows` (an embedding lookup in a tied table held as blocks: a Q6_K token_embd is common) keeps
+    every array of the layout, minima and K-quant scales regrouped: the rows' values exactly."""
+    k = 512 if kind.endswith("_k") else 576
+    w = random_weights(kind, 37, k, seed=1)
+    ids = torch.tensor([5, 0, 36, 17, 8, 9, 9])
+    assert torch.equal(w.rows(ids).dequantize(), w.dequantize()[ids])
