@@ -29,13 +29,10 @@ TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 SHAPES = [(576, 1536), (3072, 576)]  # (N, K): SmolLM2's ffn_down and its fused gate/up
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> None:
@@ -60,8 +57,8 @@ def main() -> None:
                     block_gemm.gemm(x, blocks), ggml_gemm.gemm(x, stored)
                 b_ms, g_ms = [], []
                 for _ in range(args.repeats):  # interleaved, so drift hits both
-                    b_ms.append(_median_ms(lambda: block_gemm.gemm(x, blocks), 1))
-                    g_ms.append(_median_ms(lambda: ggml_gemm.gemm(x, stored), 1))
+                    b_ms.append(_ms(lambda: block_gemm.gemm(x, blocks)))
+                    g_ms.append(_ms(lambda: ggml_gemm.gemm(x, stored)))
                 row = {"type": type_name, "n": n, "k": k, "rows": t, "layout": blocks.kind,
                        "block_kernel_ms": statistics.median(b_ms), "ggml_ms": statistics.median(g_ms)}
                 row["block_over_ggml_speed"] = row["ggml_ms"] / row["block_kernel_ms"]

@@ -219,22 +219,46 @@ class BlockWeights:
         return BlockQuantized(self.kind, *self.unpack()).dequantize()
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] (their low 4 bits) -> [N, K/2] in Q4_1's order: per block of 32, value j in the
+    low nibble of byte j, value j + 16 in its high nibble."""
+    n, k = q.shape
+    qb = q.to(torch.uint8).view(n, k // BLOCK, BLOCK) & 0x0F
+    return (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def fifth_bit_words(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values in 0..31 -> int32 [N, K/32]: per block, bit j = value j's fifth bit, in the
+    kernel's arrangement (`arrange_high_bits`)."""
+    import numpy as np
+
+    n, k = q.shape
+    bits = ((q.to(torch.uint8) >> 4) & 1).view(n, k // BLOCK, BLOCK).numpy()
+    words = np.packbits(bits, axis=-1, bitorder="little").view("<u4").view(np.int32).reshape(n, k // BLOCK)
+    return arrange_high_bits(torch.from_numpy(words))
+
+
+def two_bit_planes(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values in 0..63 -> uint8 [N, K/4]: their bits 4-5, per block of 32 byte j holding
+    those of values j, j + 8, j + 16, j + 24 at bits 0-1, 2-3, 4-5, 6-7 (q6_k's q2)."""
+    n, k = q.shape
+    high = (q.to(torch.uint8) >> 4).view(n, k // BLOCK, 4, 8)  # [.., s, j]: value j + 8s
+    return (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, k // 4)
+
+
 def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:
     """q uint8 [N, K] in 0..15, d and m [N, K/32] holding float16 values."""
     n, k = q.shape
     _check_k(k)
-    qb = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
-    qs = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-    return BlockWeights("q4_1", qs, _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
+    return BlockWeights("q4_1", pack_nibbles(q), _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
 
 
 def pack_q5_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:
     """q uint8 [N, K] in 0..31, d and m [N, K/32] holding float16 values."""
     n, k = q.shape
-    low = pack_q4_1(q.to(torch.uint8) & 0x0F, d, m)
-    fifth = ((q.long() >> 4) & 1).view(n, k // BLOCK, BLOCK) << torch.arange(BLOCK)
-    words = fifth.sum(-1)  # [N, nb]: bit j = value j's fifth bit
-    return BlockWeights("q5_1", low.qs, low.d, low.m, n, k, arrange_high_bits(_as_int32(words)))
+    _check_k(k)
+    return BlockWeights("q5_1", pack_nibbles(q), _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k,
+                        fifth_bit_words(q))
 
 
 def pack_k_quant(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor, dm: torch.Tensor, mq: torch.Tensor) -> BlockWeights:
@@ -244,10 +268,9 @@ def pack_k_quant(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor, dm: torch.
     if k % 256:
         raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
     five = bool((q >= 16).any())
-    low = pack_q5_1(q, torch.zeros(n, k // BLOCK), torch.zeros(n, k // BLOCK)) if five else None
-    qs = low.qs if five else pack_q4_1(q, torch.zeros(n, k // BLOCK), torch.zeros(n, k // BLOCK)).qs
-    return BlockWeights("q5_k" if five else "q4_k", qs, _exact_half(ds, "ds"), block_minima(mq.to(torch.uint8)), n, k,
-                        low.qh if five else None, sc.to(torch.uint8).contiguous(), block_minima(_exact_half(dm, "dm")))
+    return BlockWeights("q5_k" if five else "q4_k", pack_nibbles(q), _exact_half(ds, "ds"),
+                        block_minima(mq.to(torch.uint8)), n, k, fifth_bit_words(q) if five else None,
+                        sc.to(torch.uint8).contiguous(), block_minima(_exact_half(dm, "dm")))
 
 
 def pack_q6_k(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeights:
@@ -256,11 +279,8 @@ def pack_q6_k(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeigh
     if k % 256:
         raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
     u = (q.to(torch.int16) + 32).to(torch.uint8)
-    qs = pack_q4_1(u & 0x0F, torch.zeros(n, k // BLOCK), torch.zeros(n, k // BLOCK)).qs
-    high = (u >> 4).view(n, k // BLOCK, 4, 8)  # [.., s, j]: value j + 8s
-    q2 = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, k // 4)
-    return BlockWeights("q6_k", qs, _exact_half(ds, "ds"), None, n, k, sc=sc.to(torch.int8).contiguous(),
-                        q2=q2.contiguous())
+    return BlockWeights("q6_k", pack_nibbles(u), _exact_half(ds, "ds"), None, n, k, sc=sc.to(torch.int8).contiguous(),
+                        q2=two_bit_planes(u).contiguous())
 
 
 def _as_int32(words: torch.Tensor) -> torch.Tensor:

@@ -464,31 +464,33 @@ def _q6_k_rows(blocks: torch.Tensor):
     return q, ds, sc
 
 
-def stored_q6_k_weights(parts: list[GGMLWeights]):
-    """GGUF Q6_K parts fused along `out` in the block kernel's q6_k layout (`BlockWeights`): every
-    value as stored, 6.6 bits a weight as in the file. Rows are repacked a chunk at a time."""
-    from forklm.kernels import block_gemm
+def _row_chunks(parts: list[GGMLWeights], rows: int = 1024):
+    """(output rows, stored bytes uint8 [r, row_bytes], part) of the fused parts, a chunk of rows at
+    a time in Hugging Face order (the repack's temporaries stay a chunk's size); each part's file
+    pages are released once it is read."""
     from forklm.models.gguf_file import release_pages
 
-    n, k = sum(p.n for p in parts), parts[0].k
-    nb, nsb = k // 32, k // 256
-    qs, q2 = torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // 4, dtype=torch.uint8)
-    ds, sc = torch.empty(n, nsb, dtype=torch.float16), torch.empty(n, k // 16, dtype=torch.int8)
     r = 0
     for p in parts:
-        for c0 in range(0, p.n, 1024):
-            ids = torch.arange(c0, min(p.n, c0 + 1024))
-            raw = p.stored_rows(ids) if p.row_order is not None else p.data[ids]
-            q, ds_c, sc_c = _q6_k_rows(raw.view(len(ids), nsb, -1))
-            rows = slice(r + c0, r + c0 + len(ids))
-            qb = q.view(len(ids), nb, 32)
-            qs[rows] = ((qb[..., :16] & 0x0F) | ((qb[..., 16:] & 0x0F) << 4)).reshape(len(ids), k // 2)
-            hb = (qb >> 4).view(len(ids), nb, 4, 8)  # [.., s, j]: value j + 8s's bits 4-5
-            q2[rows] = (hb[:, :, 0] | (hb[:, :, 1] << 2) | (hb[:, :, 2] << 4) | (hb[:, :, 3] << 6)).reshape(len(ids), k // 4)
-            ds[rows], sc[rows] = ds_c, sc_c
+        for c0 in range(0, p.n, rows):
+            ids = torch.arange(c0, min(p.n, c0 + rows))
+            yield slice(r + c0, r + c0 + len(ids)), (p.stored_rows(ids) if p.row_order is not None else p.data[ids]), p
         r += p.n
         if p.mapped:
             release_pages(p.data)
+
+
+def stored_q6_k_weights(parts: list[GGMLWeights]):
+    """GGUF Q6_K parts fused along `out` in the block kernel's q6_k layout (`BlockWeights`): every
+    value as stored, 6.6 bits a weight as in the file."""
+    from forklm.kernels import block_gemm
+
+    n, k = sum(p.n for p in parts), parts[0].k
+    qs, q2 = torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // 4, dtype=torch.uint8)
+    ds, sc = torch.empty(n, k // 256, dtype=torch.float16), torch.empty(n, k // 16, dtype=torch.int8)
+    for rows, raw, _ in _row_chunks(parts):
+        q, ds[rows], sc[rows] = _q6_k_rows(raw.view(raw.shape[0], k // 256, -1))
+        qs[rows], q2[rows] = block_gemm.pack_nibbles(q), block_gemm.two_bit_planes(q)
     return block_gemm.BlockWeights("q6_k", qs, ds, None, n, k, sc=sc, q2=q2)
 
 
@@ -496,11 +498,8 @@ def stored_k_quant_weights(parts: list[GGMLWeights], kind: str):
     """GGUF Q4_K / Q5_K parts fused along `out` in the block kernel's q4_k / q5_k layout: the values
     repacked into Q4_1's nibble order (and Q5_1's fifth-bit words), the 6-bit scales and minima
     unpacked to a byte each beside the float16 super-block scales: every value as stored, 4.6 / 5.6
-    bits a weight against the file's 4.5 / 5.5. Rows are repacked a chunk at a time."""
-    import numpy as np
-
+    bits a weight against the file's 4.5 / 5.5."""
     from forklm.kernels import block_gemm
-    from forklm.models.gguf_file import release_pages
 
     n, k = sum(p.n for p in parts), parts[0].k
     nb, nsb = k // 32, k // 256
@@ -508,26 +507,12 @@ def stored_k_quant_weights(parts: list[GGMLWeights], kind: str):
     qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" else None
     ds, dm = torch.empty(n, nsb, dtype=torch.float16), torch.empty(n, nsb, dtype=torch.float16)
     sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
-    r = 0
-    for p in parts:
-        for c0 in range(0, p.n, 1024):
-            ids = torch.arange(c0, min(p.n, c0 + 1024))
-            raw = p.stored_rows(ids) if p.row_order is not None else p.data[ids]
-            q, ds_c, dm_c, sc_c, mq_c = _k_quant_rows(raw.view(len(ids), nsb, -1), p.type_name)
-            rows = slice(r + c0, r + c0 + len(ids))
-            qb = q.view(len(ids), nb, 32)
-            qs[rows] = ((qb[..., :16] & 0x0F) | ((qb[..., 16:] & 0x0F) << 4)).reshape(len(ids), k // 2)
-            if qh is not None:
-                bits = ((qb >> 4) & 1).numpy()
-                words = np.packbits(bits, axis=-1, bitorder="little").view("<u4").view(np.int32)
-                qh[rows] = torch.from_numpy(words.reshape(len(ids), nb))
-            ds[rows], dm[rows], sc[rows], mq[rows] = ds_c, dm_c, sc_c, mq_c
-        r += p.n
-        if p.mapped:
-            release_pages(p.data)
-    return block_gemm.BlockWeights(kind, qs, ds, block_gemm.block_minima(mq), n, k,
-                                   None if qh is None else block_gemm.arrange_high_bits(qh), sc,
-                                   block_gemm.block_minima(dm))
+    for rows, raw, part in _row_chunks(parts):
+        q, ds[rows], dm[rows], sc[rows], mq[rows] = _k_quant_rows(raw.view(raw.shape[0], nsb, -1), part.type_name)
+        qs[rows] = block_gemm.pack_nibbles(q)
+        if qh is not None:
+            qh[rows] = block_gemm.fifth_bit_words(q)
+    return block_gemm.BlockWeights(kind, qs, ds, block_gemm.block_minima(mq), n, k, qh, sc, block_gemm.block_minima(dm))
 
 
 def stored_block_weights(parts: list[GGMLWeights]):
