@@ -1,16 +1,20 @@
-"""Command line: `forklm sample ...` and `forklm bench ...` (also `python -m forklm`)."""
+"""Command line: `forklm sample | info | serve ...` (also `python -m forklm`); `forklm bench ...` forwards to the
+benchmarks of a source checkout (`python -m bench ...`)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from pathlib import Path
 
 from forklm.models.registry import DEFAULT_MODEL
 from forklm.speculative.config import SPECULATIVE_HELP
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device, --quantize (also the benchmarks' sweep)."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name, HF folder or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (CUDA) (default: auto)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
@@ -23,11 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="forklm", description="Many samples from one context, fast and exact (bifurcated attention)."
     )
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{sample,info,serve,bench,bench-serve,bench-kernel,bench-constrained,bench-spec,bench-budget}")
+                                metavar="{sample,info,serve,bench}")
 
     s = sub.add_parser("sample", help="draw n samples of one prompt", description="Draw n samples of one prompt; "
                        "print the best few by mean log-probability and a stats line.")
-    _add_model_args(s)
+    add_model_args(s)
     s.add_argument("prompt", metavar="PROMPT", help="prompt text, or - to read it from stdin")
     s.add_argument("-n", type=int, default=8, help="number of samples (default: 8)")
     s.add_argument("--max-tokens", type=int, default=64, help="tokens per sample at most (default: 64)")
@@ -45,97 +49,68 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--show", type=int, default=3, help="how many ranked samples to print (default: 3)")
     s.add_argument("--json", action="store_true", help="print every sample and the stats as JSON")
 
-    b = sub.add_parser("bench", help="benchmark: context length x n, forklm paths vs transformers",
-                       description="Sweep context length x n; per-step latency, tokens/s, prefill, memory, floor.")
-    _add_model_args(b)
-    b.add_argument("--contexts", default="256,1024,2048,4096", help="context lengths m_c (default: 256,1024,2048,4096)")
-    b.add_argument("--ns", default="1,8,32,64", help="sample counts n (default: 1,8,32,64)")
-    b.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sample (default: 64)")
-    b.add_argument("--paths", default="standard,bifurcated,auto,single-request",
-                   help="forklm paths to time: the engine with shared segments read standard, bifurcated or auto; "
-                        "single-request: the reference stack LLM.sample ran before the engine")
-    b.add_argument("--repeats", type=int, default=1,
-                   help="run every implementation (transformers included) this many times per point, interleaved, and report each "
-                        "one's fastest run (default: 1)")
-    b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face transformers baseline")
-    b.add_argument("--transformers-max-n", type=int, default=64, help="largest n run through transformers")
-    b.add_argument("--transformers-max-tokens", type=int, default=2048 * 64,
-                   help="skip transformers where n * m_c exceeds this (it prefills and stores n prompt copies) "
-                        "(default: 131072)")
-    b.add_argument("--llama-cpp", action="store_true",
-                   help="also run llama.cpp's llama-batched-bench at the same points (same .gguf file, same threads, "
-                        "shared prompt, unified KV, flash attention off and on); build it with "
-                        "scripts/build_llama_cpp.sh or set $FORKLM_LLAMA_CPP_BIN")
-    b.add_argument("--presets", default=None, metavar="LIST",
-                   help="comma list of llama.cpp quantization presets (e.g. Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K_M,"
-                        "Q4_K_M,Q5_K_M,Q6_K): each is made once from the .gguf model with llama-quantize "
-                        "--allow-requantize into .cache/presets/ and the sweep runs on every file, with both engines' "
-                        "peak RSS and load time per file (default: none, the model file as given)")
-    b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
-    b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     i = sub.add_parser("info", help="CPU features, native kernels built or why not, and how a model's weights run",
                        description="What this machine and a model get: the CPU features forklm's rules see, each "
                                    "native kernel built or why not, and per weight its stored type, kernel, layout and memory.")
-    _add_model_args(i)
+    add_model_args(i)
     i.add_argument("--no-model", action="store_true", help="the machine only (no model loaded)")
     i.add_argument("--json", action="store_true", help="print JSON")
 
-    from forklm.bench.serve_workload import build_parser as serve_parser
-    from forklm.bench.constrained import build_parser as constrained_parser
-    from forklm.bench.kernel_bench import build_parser as kernel_parser
-    from forklm.bench.spec import build_parser as spec_parser
-    from forklm.bench.spec_budget import build_parser as budget_parser
     from forklm.server.cli import add_parser as server_parser
 
     server_parser(sub)
-    serve_parser(sub)
-    kernel_parser(sub)
-    constrained_parser(sub)
-    spec_parser(sub)
-    budget_parser(sub)
+    sub.add_parser("bench", add_help=False, help="the benchmarks of a source checkout: forwards to `python -m bench` "
+                                                  "(`forklm bench --help` lists them)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "sample":
             return _sample(args)
         if args.command == "info":
             return _info(args)
-        if args.command == "serve":
-            from forklm.server.cli import run as serve
+        from forklm.server.cli import run as serve
 
-            return serve(args)
-        if args.command == "bench-kernel":
-            from forklm.bench.kernel_bench import run_from_args as run_kernel
-
-            return run_kernel(args)
-        if args.command == "bench-constrained":
-            from forklm.bench.constrained import run_from_args as run_constrained
-
-            return run_constrained(args)
-        if args.command == "bench-spec":
-            from forklm.bench.spec import run_from_args as run_spec
-
-            return run_spec(args)
-        if args.command == "bench-budget":
-            from forklm.bench.spec_budget import run_from_args as run_budget
-
-            return run_budget(args)
-        if args.command == "bench-serve":
-            from forklm.bench.serve_workload import run_from_args as run_serve
-
-            return run_serve(args)
-        from forklm.bench.sweep import run_from_args
-
-        return run_from_args(args)
+        return serve(args)
     except KeyboardInterrupt:
         print("forklm: interrupted", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, MemoryError, OSError) as e:
         print(f"forklm: error: {e}", file=sys.stderr)
         return 2
+
+
+BENCH_ELSEWHERE = ("forklm: the benchmarks are not part of the installed package; run `python -m bench --help` "
+                   "from the root of forklm's source checkout")
+
+
+def _source_checkout() -> Path | None:
+    """The checkout forklm runs from (its root holds pyproject.toml and bench/), or None (an installed wheel)."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "bench" / "cli.py").is_file() else None
+
+
+def _bench(argv: list[str]) -> int:
+    """`forklm bench ...`: hands the arguments to the benchmarks' command line (`python -m bench ...`) of
+    the source checkout this forklm runs from (the `bench/` package beside `forklm/`); an installed
+    wheel has none, and says so in one line."""
+    root = _source_checkout()
+    if root is None:
+        print(BENCH_ELSEWHERE, file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        bench_cli = importlib.import_module("bench.cli")
+    except ImportError as e:
+        print(f"{BENCH_ELSEWHERE} ({e})", file=sys.stderr)
+        return 2
+    return bench_cli.main(argv, prog="forklm bench")
 
 
 def _info(args: argparse.Namespace) -> int:

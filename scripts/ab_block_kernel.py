@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: its bench/ package
 from ab_cpu_attention import build_at
 
-from forklm.bench.machine import machine_info
+from bench.machine import machine_info
 from forklm.kernels import block_gemm as bg
 
 

@@ -17,16 +17,18 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from forklm.bench.machine import machine_info
-from forklm.kernels import block_gemm as bg
-from forklm.kernels import cpu_attention as ca
-from forklm.kernels.segment_attention import SegmentItem
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: its bench/ package
+from bench.machine import machine_info  # noqa: E402
+from forklm.kernels import block_gemm as bg  # noqa: E402
+from forklm.kernels import cpu_attention as ca  # noqa: E402
+from forklm.kernels.segment_attention import SegmentItem  # noqa: E402
 
 CSRC = "forklm/kernels/csrc"
 

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{point} {name}: step {r['step_ms_min']:.2f} ms min, {r['step_ms_median']:.2f} median")
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False)
-    from forklm.bench.machine import machine_info
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root: its bench/ package
+    from bench.machine import machine_info
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-batched-bench` (the peer of `forklm bench --llama-cpp`) and
+# Builds llama.cpp's `llama-batched-bench` (the peer of `python -m bench sweep --llama-cpp`) and
 # `llama-quantize` (the presets the benchmark compares on) from the sources
 # vendored in the pinned llama-cpp-python sdist, into .cache/llama.cpp/ (ignored by git).
 # CPU only: Release, -march=native (GGML_NATIVE), no CUDA, no curl/OpenSSL, static libraries.

@@ -7,7 +7,7 @@ lengths not multiples of the block size, scattered blocks) for g = h, 1 < g < h,
 b in {1, 3, 64}; head dims 64 and 128; float16 and bfloat16 (the interpreter cannot check
 bfloat16 `tl.dot`); outputs poisoned with NaN first; compared with float32 materialized attention.
 Every case is recorded, failures included, so one bad case does not lose the rest. Writes JSON;
-exits 1 if any case failed. Timing: `forklm bench-kernel` (forklm/bench/kernel_bench.py).
+exits 1 if any case failed. Timing: `python -m bench kernel` (bench/kernel_bench.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from forklm.bench.kernel_bench import random_sharing, reference_attention  # noqa: E402
+from bench.kernel_bench import random_sharing, reference_attention  # noqa: E402
 from forklm.kernels.segment_attention import plan_segments, segment_attention  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Real GGUF files for the tests, made from the default model's file: its tensors' values requantized
 by ggml itself (the routine llama-quantize calls) to a per-tensor type rule, written with the gguf
 package's writer, metadata and tokenizer copied. (llama-quantize itself needs llama.cpp's full build,
-10+ minutes; the benchmark uses it, `forklm bench --llama-cpp --presets`.)"""
+10+ minutes; the benchmark uses it, `python -m bench sweep --llama-cpp --presets`.)"""
 
 from __future__ import annotations
 

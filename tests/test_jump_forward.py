@@ -174,7 +174,7 @@ def test_jump_forward_must_be_a_bool(smollm2_f32):
 
 
 def test_bench_constrained_modes_run_and_validate(smollm2_f32):
-    from forklm.bench.constrained import run_mode
+    from bench.constrained import run_mode
 
     masked, _ = run_mode(smollm2_f32, "masks-only", 4, 256, 1)
     jump, _ = run_mode(smollm2_f32, "jump-forward", 4, 256, 1)

@@ -264,14 +264,16 @@ def test_smollm2_gguf_as_stored(smollm2_gguf, smollm2_f32):
 
 
 def test_cli_quantize_flag(capsys):
+    from bench.cli import build_parser as bench_parser
     from forklm.cli import build_parser, main
 
     assert main(["sample", "--quantize", "int3", "hello"]) == 2
     assert "quantize must be" in capsys.readouterr().err
     parser = build_parser()
-    for argv in (["sample", "--quantize", "int4", "x"], ["bench", "--quantize", "gguf"], ["serve", "--quantize", "int8"],
-                 ["bench-serve", "--quantize", "none"]):
+    for argv in (["sample", "--quantize", "int4", "x"], ["serve", "--quantize", "int8"]):
         assert parser.parse_args(argv).quantize == argv[2]
+    for argv in (["sweep", "--quantize", "gguf"], ["serve", "--quantize", "none"]):  # the benchmarks' (python -m bench)
+        assert bench_parser().parse_args(argv).quantize == argv[2]
 
 
 def test_step_weight_bytes_counts_what_a_step_reads(tmp_path):

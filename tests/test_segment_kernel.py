@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from forklm.bench.kernel_bench import random_sharing, reference_attention
+from bench.kernel_bench import random_sharing, reference_attention
 from forklm.kernels.segment_attention import SegmentItem, available, plan_segments, segment_attention
 
 pytestmark = pytest.mark.skipif(not available(), reason="triton is not installed")

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, speculative=spec)
     if llm.tokenizer is None:
         raise ValueError(f"{args.model}: forklm serve needs a model with a tokenizer (random-weight shapes are for "
-                         "forklm bench)")
+                         "the benchmarks, python -m bench sweep)")
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,

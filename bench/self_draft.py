@@ -1,6 +1,6 @@
 """Is a self-draft from the target's first layers worth keeping? (issue 15, drafter item 3)
 
-    python -m forklm.bench.self_draft [--model smollm2-135m] [--m-c 1024] [--layers 4,8,12,16,20,24]
+    python -m bench.self_draft [--model smollm2-135m] [--m-c 1024] [--layers 4,8,12,16,20,24]
                                       [--out bench/results/self_draft_<cpu>.json]
 
 A self-draft runs the target's first L layers, its final norm and its LM head (early exit, no
@@ -8,7 +8,7 @@ training) to propose tokens; the target verifies them exactly as for any drafter
 is decided by two numbers this script measures on the model as `LLM` loads it:
 
 - **agreement** (the acceptance rate a self-draft would see): over a code context (HumanEval's
-  problems and solutions, as `bench-spec` uses), teacher-forced, the share of positions where the
+  problems and solutions, as `python -m bench spec` uses), teacher-forced, the share of positions where the
   early exit's argmax equals the full model's (greedy drafts at T = 0), and the mean of
   sum_v min(p_v, q_v) at temperature 0.8 (the acceptance probability of modified rejection sampling
   of a sampled draft, p the target's distribution, q the early exit's);
@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from forklm import LLM
-    from forklm.bench.machine import machine_info
-    from forklm.bench.spec import humaneval_context
-    from forklm.bench.sweep import write_json
+    from bench.machine import machine_info
+    from bench.spec import humaneval_context
+    from bench.sweep import write_json
 
     llm = LLM(args.model, dtype=args.dtype, quantize=args.quantize)
     model = llm.model

@@ -1,4 +1,4 @@
-"""`forklm bench-kernel`: the Triton shared-segment decode-attention kernel against torch SDPA.
+"""`python -m bench kernel`: the Triton shared-segment decode-attention kernel against torch SDPA.
 
 One attention layer: b samples share an m_c-token context and have `own` tokens each (decode: one
 query token per sample). Per point (ms per call, median):
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forklm.bench.floor import measure_bandwidth, measure_matmul_rate
+from bench.floor import measure_bandwidth, measure_matmul_rate
 
 SHAPES = {"llama3-8b": (32, 8, 128), "mha-32": (32, 32, 128)}  # (h, g, D)
 
@@ -158,9 +158,9 @@ def time_point(shape: str, h: int, g: int, D: int, m_c: int, b: int, own: int, d
 
 
 def build_parser(sub=None) -> argparse.ArgumentParser:
-    kw = dict(help="benchmark: the Triton decode-attention kernel vs torch SDPA, with the floor",
+    kw = dict(help="the Triton decode-attention kernel vs torch SDPA, with the floor",
               description=__doc__.split("\n\n")[0])
-    p = sub.add_parser("bench-kernel", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
+    p = sub.add_parser("kernel", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--shapes", default="llama3-8b,mha-32", help=f"of {list(SHAPES)}, or h:g:D")
@@ -178,7 +178,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from forklm.kernels.segment_attention import available
 
     if not available():
-        raise ValueError("bench-kernel needs triton (pip install triton)")
+        raise ValueError("bench kernel needs triton (pip install triton)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here")

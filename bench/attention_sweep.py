@@ -1,6 +1,6 @@
 """Times one layer's decode attention, standard vs bifurcated, over a grid (the data behind `auto`).
 
-Run: `python -m forklm.bench.attention_sweep --out bench/results/attention_sweep_cpu.json`.
+Run: `python -m bench.attention_sweep --out bench/results/attention_sweep_cpu.json`.
 """
 
 from __future__ import annotations

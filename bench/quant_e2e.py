@@ -1,10 +1,10 @@
-"""Decode throughput of the default model per `quantize` setting (a quick check beside `forklm bench`).
+"""Decode throughput of the default model per `quantize` setting (a quick check beside `python -m bench sweep`).
 
-    flock /tmp/forklm_bench.lock .venv/bin/python -m forklm.bench.quant_e2e [--dtype bfloat16] [--ns 1,8,32]
+    flock /tmp/forklm_bench.lock .venv/bin/python -m bench.quant_e2e [--dtype bfloat16] [--ns 1,8,32]
 
 A 256-token prompt of fixed ids, `LLM.sample(n, max_tokens=64, ignore_eos=True, seed=0)` after one
 warm-up call; prints generated tokens/s over the decode phase, the median step and the weight bytes
-held. `forklm bench --quantize ...` is the full sweep.
+held. `python -m bench sweep --quantize ...` is the full sweep.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 transformers' `generate` over the same prompts as one dense batch, and against forklm's own
 model over a dense contiguous KV cache (the layout a single-batch engine would use), side by side.
 
-    python -m forklm.bench.distinct_prompts --dtype float32 --out bench/results/distinct_cpu_float32.json
+    python -m bench.distinct_prompts --dtype float32 --out bench/results/distinct_cpu_float32.json
 
 Each point: `rows` requests of `prompt_len` distinct tokens (real code text at different offsets),
 n = 1, `new_tokens` each, temperature 0.8, top-p 0.95, EOS ignored. Reported: the median decode
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from forklm.attention.segments import attend_segment
-from forklm.bench.machine import machine_info
-from forklm.bench.sweep import write_json
-from forklm.bench.sweep import SNIPPET, TEMPERATURE, TOP_P, TransformersRunner, _step_clock
+from bench.machine import machine_info
+from bench.sweep import write_json
+from bench.sweep import SNIPPET, TEMPERATURE, TOP_P, TransformersRunner, _step_clock
 from forklm.reference.forked_attention import PrefillAttention
 from forklm.reference.forked_kv import ForkedKVCache
 from forklm.sampling.sampler import sample_tokens
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print(json.dumps(row), flush=True)
     doc = {**machine_info(), "dtype": str(llm.dtype),
-           "command": "python -m forklm.bench.distinct_prompts " + " ".join(argv or __import__("sys").argv[1:]),
+           "command": "python -m bench.distinct_prompts " + " ".join(argv or __import__("sys").argv[1:]),
            "results": results}
     if args.out:
         write_json(doc, args.out)

@@ -1,6 +1,6 @@
 """What a float16 KV cache costs in accuracy against the model's own dtype, through the engine.
 
-    python -m forklm.bench.kv_dtype [--model smollm2-135m] [--tokens 256] [--out bench/results/kv_dtype_cpu.json]
+    python -m bench.kv_dtype [--model smollm2-135m] [--tokens 256] [--out bench/results/kv_dtype_cpu.json]
 
 For each weight configuration (float32 dense, `quantize=None`; float32 with the GGUF file's blocks,
 `quantize="auto"`), the fixed prompts of `quant_accuracy` are continued greedily for `--tokens`
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from forklm.bench.machine import machine_info
-from forklm.bench.quant_accuracy import PROMPTS
+from bench.machine import machine_info
+from bench.quant_accuracy import PROMPTS
 
 
 def compare(llm, tokens: int) -> dict:

@@ -2,8 +2,8 @@
 `forklm serve` child process, alone and while unthrottled scrapers fetch /metrics as fast as
 the server answers.
 
-    python -m forklm.bench.metrics_scrape                          # 8 requests of ~700 prompt tokens, 4 scrapers
-    python -m forklm.bench.metrics_scrape --requests 2 --max-tokens 8 --repeats 1   # a quick look
+    python -m bench.metrics_scrape                          # 8 requests of ~700 prompt tokens, 4 scrapers
+    python -m bench.metrics_scrape --requests 2 --max-tokens 8 --repeats 1   # a quick look
 
 Each repeat runs the batch alone, then with scrapers; the fastest run of each is compared. The
 scrapers are threads of a separate process on raw keep-alive sockets (little client CPU: on a
@@ -77,7 +77,7 @@ def _scraper_process(port: int, scrapers: int, stop, counts) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m forklm.bench.metrics_scrape", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.metrics_scrape", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8, help="concurrent requests per batch (default: 8)")
     ap.add_argument("--prompt-words", type=int, default=540, help="words per prompt, ~700 tokens (default: 540)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: 64)")

@@ -1,7 +1,7 @@
 """Constrained decoding: 64 samples of a nested JSON schema, masks only vs jump-forward vs
 unconstrained generation of the same length.
 
-    forklm bench-constrained [--model smollm2-135m] [--n 64] [--repeats 1] [--out bench/results/constrained_cpu.json]
+    python -m bench constrained [--model smollm2-135m] [--n 64] [--repeats 1] [--out bench/results/constrained_cpu.json]
 
 For each mode the engine runs one request of n samples (same prompt, same seed) to the end; the
 bench times every engine step and records steps, wall time, tokens, the share of samples that
@@ -61,9 +61,9 @@ ENUM_FIELDS = ("severity", "component")
 
 
 def build_parser(sub=None) -> argparse.ArgumentParser:
-    kw = {"help": "benchmark: constrained decoding (JSON schema), masks only vs jump-forward vs unconstrained",
+    kw = {"help": "constrained decoding (JSON schema), masks only vs jump-forward vs unconstrained",
               "description": __doc__.split("\n\n")[0]}
-    p = sub.add_parser("bench-constrained", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
+    p = sub.add_parser("constrained", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--n", type=int, default=64, help="samples per run (default: 64)")
@@ -193,8 +193,8 @@ def distribution(llm, n: int, max_tokens: int, seed: int) -> dict:
 
 def run_from_args(args: argparse.Namespace) -> int:
     from forklm import LLM
-    from forklm.bench.machine import machine_info
-    from forklm.bench.sweep import write_json
+    from bench.machine import machine_info
+    from bench.sweep import write_json
 
     llm = LLM(args.model, dtype=args.dtype)
     llm.sample(PROMPT, n=2, max_tokens=8, seed=0, json_schema=SCHEMA)  # warm-up: compile, bind the tokenizer

@@ -1,6 +1,6 @@
 """Where a decode step's time goes on forklm's CPU kernels, and the step with one of them turned off.
 
-    python -m forklm.bench.block_kernel_step [--points 256x1,256x8,256x64] [--rounds 2]
+    python -m bench.block_kernel_step [--points 256x1,256x8,256x64] [--rounds 2]
         [--off block-kernel | cpu-attention | cpu-sampler | decode-stack] [--out bench/results/block_kernel_step_cpu_avx2.json]
 
 Per point (m_c x n, random-token prompt, 33 new tokens per sample, temperature 0.8, top-p 0.95) and
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from forklm.bench.machine import machine_info
+from bench import child_env
+from bench.machine import machine_info
 
 NEW_TOKENS = 33
 OFF_SWITCHES = {"block-kernel": "FORKLM_BLOCK_KERNEL", "cpu-attention": "FORKLM_CPU_ATTENTION",
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for r in range(args.rounds):
         on = measure(points, profile=True)
-        child = subprocess.run([sys.executable, "-m", "forklm.bench.block_kernel_step", "--child", "--points", args.points],
-                               capture_output=True, text=True, check=True, env={**os.environ, OFF_SWITCHES[args.off]: "0"})
+        child = subprocess.run([sys.executable, "-m", "bench.block_kernel_step", "--child", "--points", args.points],
+                               capture_output=True, text=True, check=True, env=child_env(**{OFF_SWITCHES[args.off]: "0"}))
         off = json.loads(child.stdout.strip().splitlines()[-1])
         rounds.append({"on": on, "off": off})
         for a, b in zip(on, off):

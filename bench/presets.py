@@ -1,4 +1,4 @@
-"""`forklm bench --presets Q4_0,Q4_K_M,...`: the sweep on the GGUF files people download.
+"""`python -m bench sweep --presets Q4_0,Q4_K_M,...`: the sweep on the GGUF files people download.
 
 Each preset's file is made once from the given .gguf model with llama.cpp's own quantizer,
 
@@ -14,7 +14,7 @@ part of attn_v / ffn_down), and a K-quant needs rows that are a multiple of 256 
 of hidden size 576 (SmolLM2-135M) gets the fallback type for most matrices. `tensor_types` counts
 what the file really holds; it is recorded per file.
 
-Memory and load time per file (`forklm_probe`): a fresh `python -m forklm.bench.presets probe ...`
+Memory and load time per file (`forklm_probe`): a fresh `python -m bench.presets probe ...`
 process imports torch and forklm (its peak RSS then: the baseline), constructs `LLM(path)` (load_s),
 runs a 16-token prompt to its first token (load_first_eval_s, llama.cpp's "load time" counts the
 same: model load to the end of its 16-token warm-up decode), then samples the sweep's largest point;
@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from bench import REPO_ROOT, child_env
+
 PRESET_DIR = REPO_ROOT / ".cache" / "presets"
 QUANTIZE_NAME = "llama-quantize"
 
@@ -138,7 +139,7 @@ def file_info(path: Path) -> dict:
 def probe_command(model: Path, dtype: str, quantize: str | None, threads: int, m_c: int, n: int,
                   new_tokens: int, attention: str, python: str | None = None) -> list[str]:
     """The fresh process that measures forklm's load time and peak RSS on one file."""
-    return [python or sys.executable, "-m", "forklm.bench.presets", "probe", "--model", str(model),
+    return [python or sys.executable, "-m", "bench.presets", "probe", "--model", str(model),
             "--dtype", dtype, "--quantize", str(quantize or "none"), "--threads", str(int(threads)),
             "--m-c", str(int(m_c)), "--n", str(int(n)), "--new-tokens", str(int(new_tokens)),
             "--attention", attention]
@@ -159,7 +160,7 @@ def forklm_probe(model: Path, dtype: str, quantize: str | None, threads: int, m_
                  attention: str = "auto") -> dict:
     """Runs the probe process; its result, or {"error": ...} when it fails."""
     args = probe_command(model, dtype, quantize, threads, m_c, n, new_tokens, attention)
-    done = subprocess.run(args, capture_output=True, text=True)
+    done = subprocess.run(args, capture_output=True, text=True, env=child_env())
     try:
         result = parse_probe_output(done.stdout)
     except ValueError:
@@ -173,7 +174,7 @@ def _peak_rss_mib() -> float:
     """This process's peak RSS: VmHWM, the high-water mark of its own address space. Not ru_maxrss:
     Linux carries the parent's peak (the benchmark's, torch and a model loaded) across fork + exec
     into the child's ru_maxrss, so it would read the parent's figure whenever that is larger."""
-    from forklm.bench.memory import peak_rss_bytes
+    from bench.memory import peak_rss_bytes
 
     return peak_rss_bytes() / _MIB
 
@@ -181,7 +182,7 @@ def _peak_rss_mib() -> float:
 def _probe_main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m forklm.bench.presets probe")
+    p = argparse.ArgumentParser(prog="python -m bench.presets probe")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="auto")
@@ -196,7 +197,7 @@ def _probe_main(argv: list[str]) -> int:
 
     import forklm
     from forklm import LLM
-    from forklm.bench.memory import current_rss_bytes
+    from bench.memory import current_rss_bytes
 
     torch.set_num_threads(a.threads)
     baseline = _peak_rss_mib()  # peak so far: python + torch + forklm imported, nothing loaded
@@ -204,7 +205,7 @@ def _probe_main(argv: list[str]) -> int:
     llm = LLM(a.model, dtype=a.dtype, device="cpu", quantize=a.quantize)
     load_s = time.perf_counter() - t0
     rss_loaded = current_rss_bytes() / _MIB
-    from forklm.bench.sweep import SEED, TEMPERATURE, TOP_P, synthetic_prompt
+    from bench.sweep import SEED, TEMPERATURE, TOP_P, synthetic_prompt
 
     kw = dict(temperature=TEMPERATURE, top_p=TOP_P, seed=SEED, ignore_eos=True)
     prompt = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, a.m_c)
@@ -298,7 +299,7 @@ def preset_summary(points: list[dict], files: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "probe":
-        print("usage: python -m forklm.bench.presets probe --model FILE --threads T --m-c M --n N --new-tokens K",
+        print("usage: python -m bench.presets probe --model FILE --threads T --m-c M --n N --new-tokens K",
               file=sys.stderr)
         return 2
     return _probe_main(argv[1:])

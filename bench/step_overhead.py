@@ -1,6 +1,6 @@
 """Host-side cost of one engine decode step: everything but the model's forward and the draw.
 
-    python -m forklm.bench.step_overhead [--out bench/results/step_overhead_cpu.json]
+    python -m bench.step_overhead [--out bench/results/step_overhead_cpu.json]
 
 Scenarios (issue 13's targets: at most 2 ms each): 256 rows of distinct 2k-token prompts (n = 1
 each, the chat server's case) and 64 samples of one shared 2k-token prompt. The engine is real
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 import forklm.engine.output_processor as output_processor
-from forklm.bench.machine import machine_info
-from forklm.bench.sweep import write_json
+from bench.machine import machine_info
+from bench.sweep import write_json
 from forklm.config import ModelConfig
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.models.llama import LlamaModel

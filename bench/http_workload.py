@@ -1,4 +1,4 @@
-"""`forklm bench-serve --http`: the serving workload over HTTP against the same work in process.
+"""`python -m bench serve --http`: the serving workload over HTTP against the same work in process.
 
 The same workload (`serve_workload.make_workload`) runs twice with the all-on engine: through
 `EngineLoop` in this process, and as streaming `/v1/completions` requests (token-id prompts,
@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from forklm.bench.serve_workload import RunResult, Workload
+from bench.serve_workload import RunResult, Workload
 from forklm.engine.loop import EngineLoop
 from forklm.sampling.params import SamplingParams
 

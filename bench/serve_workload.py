@@ -1,4 +1,4 @@
-"""`forklm bench-serve`: concurrent requests sharing prefixes at several levels, with ablations.
+"""`python -m bench serve`: concurrent requests sharing prefixes at several levels, with ablations.
 
 Workload (all sizes are options): S system prompts of `--system-tokens` tokens, each followed by
 U user prompts of `--user-tokens` tokens (S·U requests), each asking for n samples of
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from forklm.bench.machine import machine_info
+from bench.machine import machine_info
 from forklm.cache.block_pool import BlockPool
 from forklm.cache.radix_cache import RadixCache
 from forklm.engine.loop import EngineLoop
@@ -206,9 +206,18 @@ def ttft_probe(loop: EngineLoop, wl: Workload, args: argparse.Namespace, sources
     return {"ttft_cached_s": c, "ttft_uncached_s": u, "ratio": c / u}
 
 
+def command_line() -> str:
+    """The invocation as typed (`python -m bench serve ...`, or `forklm bench serve ...` forwarded to it);
+    empty when this did not start from the bench CLI."""
+    argv = sys.argv[1:]
+    if argv[:1] == ["bench"]:
+        argv = argv[1:]
+    return "python -m bench " + " ".join(argv) if argv[:1] == ["serve"] else ""
+
+
 def build_parser(sub=None) -> argparse.ArgumentParser:
     desc = "Concurrent requests sharing prefixes at several levels; ablations of the prefix cache, cache-aware order and shared-prefix attention."
-    p = sub.add_parser("bench-serve", help="benchmark: a shared-prefix serving workload with ablations",
+    p = sub.add_parser("serve", help="a shared-prefix serving workload with ablations",
                        description=desc) if sub else argparse.ArgumentParser(description=desc)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
@@ -239,7 +248,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from forklm import LLM
-    from forklm.bench.sweep import dtype_name
+    from bench.sweep import dtype_name
 
     if args.http and args.configs == ",".join(CONFIGS):
         args.configs = "all-on"
@@ -268,7 +277,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         if name == "all-on":
             probe = ttft_probe(loop, wl, args, sources)
             if args.http:
-                from forklm.bench.http_workload import idle_ttft_engine
+                from bench.http_workload import idle_ttft_engine
 
                 idle_engine = idle_ttft_engine(loop, idle_prompt)
         loop.close()
@@ -278,7 +287,7 @@ def run_from_args(args: argparse.Namespace) -> int:
               f"TTFT p50 {s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.0f} ms, "
               f"hit rate {s['prefix_hit_rate']:.3f} (best {best:.3f})", file=sys.stderr)
     if args.http:
-        from forklm.bench.http_workload import idle_ttft_http, overhead, run_http, server_args
+        from bench.http_workload import idle_ttft_http, overhead, run_http, server_args
         from forklm.server.process import ServerProcess
 
         with ServerProcess(*server_args(args, engine_args), model=args.model) as server:
@@ -294,7 +303,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         http_overhead = overhead(in_process, results[-1], idle_engine, idle_http)
     doc = {
         "meta": {
-            "command": "forklm bench-serve " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench-serve"] else "",
+            "command": command_line(),
             "model": str(llm.source),
             "dtype": dtype_name(llm.dtype),
             "device": llm.device.type,
@@ -346,7 +355,7 @@ def markdown_table(doc: dict) -> str:
         lines.append(f"Idle TTFT, cached system prompt {p['ttft_cached_s']:.3f} s vs uncached {p['ttft_uncached_s']:.3f} s "
                      f"(ratio {p['ratio']:.2f})")
     if doc.get("http_overhead"):
-        from forklm.bench.http_workload import markdown_overhead
+        from bench.http_workload import markdown_overhead
 
         lines.append("")
         lines.append(markdown_overhead(doc["http_overhead"]))

@@ -1,10 +1,10 @@
-"""`forklm bench`: context length x n, forklm's attention paths against Hugging Face transformers.
+"""`python -m bench sweep`: context length x n, forklm's attention paths against Hugging Face transformers.
 
 For every context length m_c (outer loop) and sample count n (inner loop) each implementation
 draws n samples of exactly `new_tokens` tokens from the same m_c-token prompt, same model, same
 dtype, same sampling (temperature 0.8, top-p 0.95). Per point it records (units in the names):
 prefill_s, decode_s, e2e_s, step_ms_median, tokens_per_s, peak_mem_mib, and the per-step floor of
-docs/design.md (floor_ms, floor_naive_ms; see `forklm/bench/floor.py`) with floor_fraction =
+docs/design.md (floor_ms, floor_naive_ms; see `bench/floor.py`) with floor_fraction =
 floor / measured step. Writes JSON and a PNG (Figure 6 of the bifurcated-attention paper) and
 prints a markdown table.
 
@@ -13,8 +13,8 @@ prefill runs over n copies of the prompt and whose KV cache holds n copies.
 
 With --llama-cpp (a .gguf model only), llama.cpp's llama-batched-bench runs at the same points after
 forklm's at each m_c, flash attention off and on (rows "llama.cpp", "llama.cpp-fa"; see
-`forklm/bench/llama_cpp.py`). With --presets Q4_0,Q4_K_M,... the sweep runs once per llama.cpp
-quantization preset of the given .gguf file (made by llama-quantize, see `forklm/bench/presets.py`;
+`bench/llama_cpp.py`). With --presets Q4_0,Q4_K_M,... the sweep runs once per llama.cpp
+quantization preset of the given .gguf file (made by llama-quantize, see `bench/presets.py`;
 rows tagged "preset" and "file"), and per file both engines' peak RSS and load time are recorded
 ("files" in the JSON) and summarized in markdown (printed, and written next to the JSON as .md).
 
@@ -42,10 +42,10 @@ from typing import Any, Callable
 
 import torch
 
-from forklm.bench.machine import cpu_model, machine_info
-from forklm.bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes
-from forklm.bench.memory import PeakMemory
-from forklm.bench.presets import parse_presets
+from bench.machine import cpu_model, machine_info
+from bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes
+from bench.memory import PeakMemory
+from bench.presets import parse_presets
 
 TEMPERATURE = 0.8
 TOP_P = 0.95
@@ -125,7 +125,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def command_line(args: argparse.Namespace) -> str:
     """The invocation rebuilt from the parsed options (defaults included)."""
-    parts = ["forklm", "bench"]
+    parts = ["python", "-m", "bench", "sweep"]
     for key, value in vars(args).items():
         if key == "command" or value is None or value is False:
             continue
@@ -547,10 +547,46 @@ def _progress(total: int) -> Any:
 
 
 def _note(msg: str) -> None:
-    print(f"forklm bench: {msg}", file=sys.stderr, flush=True)
+    print(f"bench sweep: {msg}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------- entry point
+def build_parser(sub=None) -> argparse.ArgumentParser:
+    """`python -m bench sweep`'s options (a sub-command of `sub` when given)."""
+    from forklm.cli import add_model_args
+
+    kw = {"help": "context length x n, forklm paths vs transformers (and llama.cpp)",
+          "description": "Sweep context length x n; per-step latency, tokens/s, prefill, memory, floor."}
+    b = sub.add_parser("sweep", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
+    add_model_args(b)
+    b.add_argument("--contexts", default="256,1024,2048,4096", help="context lengths m_c (default: 256,1024,2048,4096)")
+    b.add_argument("--ns", default="1,8,32,64", help="sample counts n (default: 1,8,32,64)")
+    b.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sample (default: 64)")
+    b.add_argument("--paths", default="standard,bifurcated,auto,single-request",
+                   help="forklm paths to time: the engine with shared segments read standard, bifurcated or auto; "
+                        "single-request: the reference stack LLM.sample ran before the engine")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="run every implementation (transformers included) this many times per point, interleaved, and report each "
+                        "one's fastest run (default: 1)")
+    b.add_argument("--no-transformers", action="store_true", help="skip the Hugging Face transformers baseline")
+    b.add_argument("--transformers-max-n", type=int, default=64, help="largest n run through transformers")
+    b.add_argument("--transformers-max-tokens", type=int, default=2048 * 64,
+                   help="skip transformers where n * m_c exceeds this (it prefills and stores n prompt copies) "
+                        "(default: 131072)")
+    b.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp's llama-batched-bench at the same points (same .gguf file, same threads, "
+                        "shared prompt, unified KV, flash attention off and on); build it with "
+                        "scripts/build_llama_cpp.sh or set $FORKLM_LLAMA_CPP_BIN")
+    b.add_argument("--presets", default=None, metavar="LIST",
+                   help="comma list of llama.cpp quantization presets (e.g. Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K_M,"
+                        "Q4_K_M,Q5_K_M,Q6_K): each is made once from the .gguf model with llama-quantize "
+                        "--allow-requantize into .cache/presets/ and the sweep runs on every file, with both engines' "
+                        "peak RSS and load time per file (default: none, the model file as given)")
+    b.add_argument("--out", default=None, help="JSON path (default: bench/results/sweep_<device>_<dtype>.json)")
+    b.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
+    return b
+
+
 def sweep_config(args: argparse.Namespace) -> SweepConfig:
     cfg = SweepConfig(
         contexts=parse_int_list(args.contexts, "contexts"),
@@ -591,7 +627,7 @@ def _ggufs_to_run(args: argparse.Namespace, cfg: SweepConfig, llama_binary: Path
     failing llama-quantize stops the run before anything slow)."""
     if not cfg.presets:
         return [{"preset": None, "model": args.model}]
-    from forklm.bench.presets import make_preset, quantize_binary, source_gguf
+    from bench.presets import make_preset, quantize_binary, source_gguf
 
     quantizer = quantize_binary(llama_binary)
     source = source_gguf(args.model)
@@ -604,7 +640,7 @@ def _ggufs_to_run(args: argparse.Namespace, cfg: SweepConfig, llama_binary: Path
 
 def _memory_and_load(llm: Any, cfg: SweepConfig, llama_cpp: Any) -> dict:
     """Both engines' peak RSS and load time on llm's file (forklm: a fresh process at the sweep's largest point)."""
-    from forklm.bench.presets import forklm_probe, probe_point
+    from bench.presets import forklm_probe, probe_point
 
     m_c, n = probe_point(cfg.contexts, cfg.ns, cfg.new_tokens, llm.config.max_position_embeddings)
     path = "auto" if "auto" in cfg.paths or not cfg.paths else next(
@@ -618,13 +654,13 @@ def _memory_and_load(llm: Any, cfg: SweepConfig, llama_cpp: Any) -> dict:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """`forklm bench`; returns the exit code (0, or 1 when every point was skipped)."""
+    """`python -m bench sweep`; returns the exit code (0, or 1 when every point was skipped)."""
     from forklm import LLM
 
     cfg = sweep_config(args)
     llama_binary = None
     if cfg.llama_cpp or cfg.presets:
-        from forklm.bench.llama_cpp import find_binary
+        from bench.llama_cpp import find_binary
 
         llama_binary = find_binary()  # before anything slow: a missing binary is a clear error
     files = _ggufs_to_run(args, cfg, llama_binary)
@@ -643,7 +679,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         source = Path(str(llm.source))
         llama_cpp = None
         if cfg.llama_cpp:
-            from forklm.bench.llama_cpp import LlamaCppPeer
+            from bench.llama_cpp import LlamaCppPeer
 
             if source.suffix.lower() != ".gguf":
                 raise ValueError(f"--llama-cpp needs a .gguf model (llama.cpp reads only GGUF files); {args.model} "
@@ -692,7 +728,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         info: dict[str, Any] = {"preset": entry["preset"], "file": str(llm.source), "dtype": dtype,
                                 "quantize": llm.quantize, "weight_bytes": llm.model.num_weight_bytes()}
         if source.suffix.lower() == ".gguf" and source.is_file():
-            from forklm.bench.presets import file_info
+            from bench.presets import file_info
 
             info.update(file_info(source))
         if entry.get("quantized"):
@@ -721,7 +757,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     per_file = [({**meta, "model": f["file"], "dtype": f["dtype"]}, [p for p in points if p["file"] == f["file"]])
                 for f in file_docs]
     try:
-        from forklm.bench.plot import plot_sweeps
+        from bench.plot import plot_sweeps
 
         plot_sweeps([{"meta": m, "points": pts} for m, pts in per_file], png)
         _note(f"wrote {png}")
@@ -738,7 +774,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(markdown_table({"meta": m, "points": pts}))
         print()
     if measure_files:
-        from forklm.bench.presets import preset_summary
+        from bench.presets import preset_summary
 
         summary = preset_summary(points, file_docs)
         md = out.with_suffix(".md")
@@ -749,3 +785,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         _note("every point was skipped")
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Speculative sampling: regular vs speculative decoding side by side, per drafter.
 
-    forklm bench-spec [--model smollm2-135m] [--contexts 256,2048] [--ns 1,4,16,64] [--new-tokens 128]
+    python -m bench spec [--model smollm2-135m] [--contexts 256,2048] [--ns 1,4,16,64] [--new-tokens 128]
                       [--drafters ngram,ngram:4] [--temperatures 0,0.8] [--repeats 2] [--out ...]
 
 Each point (context length m_c, n, temperature) runs one request of n samples, `ignore_eos`, to
@@ -32,9 +32,9 @@ from pathlib import Path
 
 
 def build_parser(sub=None) -> argparse.ArgumentParser:
-    kw = {"help": "benchmark: speculative sampling, regular vs each drafter side by side",
+    kw = {"help": "speculative sampling, regular vs each drafter side by side",
           "description": __doc__.split("\n\n")[0]}
-    p = sub.add_parser("bench-spec", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
+    p = sub.add_parser("spec", **kw) if sub is not None else argparse.ArgumentParser(description=kw["description"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="auto")
@@ -153,8 +153,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     import torch
 
     from forklm import LLM
-    from forklm.bench.machine import machine_info
-    from forklm.bench.sweep import write_json
+    from bench.machine import machine_info
+    from bench.sweep import write_json
 
     if args.pair:
         return _run_pair(args)
@@ -201,9 +201,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 def _run_pair(args: argparse.Namespace) -> int:
     import torch
 
-    from forklm.bench.machine import machine_info
-    from forklm.bench.spec_pair import run_pair
-    from forklm.bench.sweep import write_json
+    from bench.machine import machine_info
+    from bench.spec_pair import run_pair
+    from bench.sweep import write_json
 
     doc = {"bench": "spec-pair", "dtype": "float32", "device": "cpu", "machine": machine_info(),
            "threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "repeats": args.repeats,
