@@ -4,12 +4,12 @@
         [--out bench/results/block_kernel_crossover_cpu.json]
 
 Loads the default model (its GGUF Q4_1 / Q8_0 blocks on the block kernel, dense copies in
-`quant.block_dense_dtype()`: bfloat16 on CPUs that multiply it natively, else float32) and, per row
+`forklm.backend.block_dense_dtype()`: bfloat16 on CPUs that multiply it natively, else float32) and, per row
 count, runs a step's 120 layer products (30 layers x q/k/v, o, gate/up, down) and the LM head on
 the kernel and on the dense copies (activations rounded to the copy's dtype and back, as
 `BlockLinear.forward` does), each on its own random activations, rounds interleaved. Reports the
 minimum and median over rounds. The rows at or below which `BlockLinear` runs the kernel
-(`quant.BLOCK_KERNEL_MAX_ROWS*`) are set from these numbers. Run it alone (`flock
+(`forklm.backend.BLOCK_KERNEL_MAX_ROWS*`) are set from these numbers. Run it alone (`flock
 /tmp/forklm_bench.lock ...`): this VM's run-to-run spread is 10-20%. With FORKLM_CPU_ISA=avx2 (and
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2) it measures the
 choices of an AVX2-only CPU.
@@ -40,12 +40,12 @@ def _dense(w, x: torch.Tensor) -> torch.Tensor:
 
 def run(rows_list: list[int], rounds: int) -> dict:
     from forklm import LLM
-    from forklm.models import quant
+    from forklm.backend import block_dense_dtype
 
     model = LLM().model
     layers = [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
     groups = {"layers": layers, "lm_head": [model.lm_head]}
-    out = {"dense_dtype": str(quant.block_dense_dtype()).removeprefix("torch."), "rows": {}}
+    out = {"dense_dtype": str(block_dense_dtype()).removeprefix("torch."), "rows": {}}
     for rows in rows_list:
         res = {}
         for group, mats in groups.items():

@@ -1,6 +1,6 @@
 """Weight-product kernels per shape: dense float32 / bfloat16 against PyTorch's int8 and int4 CPU
 kernels and forklm's AVX2 block kernel on GGUF Q4_1 / Q8_0 blocks (where it builds), at the rows T a step has (decode: T = samples; prefill chunks: hundreds). This picks
-`forklm.models.quant.KERNEL_MAX_ROWS` (README "Quantized weights").
+`forklm.backend.KERNEL_MAX_ROWS` (README "Quantized weights").
 
     python -m bench.quant_kernels [--rows 1,2,4,8,16,32,64,256] [--out bench/results/quant_kernels_cpu.json]
 

@@ -68,6 +68,7 @@ def bigram_weights(shape: dict, succ: torch.Tensor, sharpness: float, residual: 
 def build_pair(agreement: float, quantize: str | None, sharpness: float = 16.0, residual: float = 0.05,
                seed: int = 0, target_shape: dict | None = None, draft_shape: dict | None = None):
     """(target LlamaModel, draft LlamaModel) in float32 on CPU, weights quantized by `quantize`."""
+    from forklm.backend import Backend
     from forklm.models.llama import LlamaModel
     from forklm.models.random_weights import random_config
 
@@ -78,7 +79,7 @@ def build_pair(agreement: float, quantize: str | None, sharpness: float = 16.0, 
     models = []
     for shape, s, k in ((target_shape, succ, 0), (draft_shape, draft_succ, 1)):
         weights = bigram_weights(shape, s, sharpness, residual, seed + 10 * k)
-        models.append(LlamaModel(random_config(shape), weights, torch.float32, torch.device("cpu"), quantize=quantize))
+        models.append(LlamaModel(random_config(shape), weights, Backend.exact(torch.float32, torch.device("cpu"), quantize)))
         del weights
     return models[0], models[1]
 
@@ -88,7 +89,7 @@ def run_pair(args) -> dict:
     n and temperature; a random prompt of m_c ids (the first context)."""
     from bench.spec import _line, run_mode, run_point
     from forklm.engine.engine import Engine, EngineConfig
-    from forklm.models.quant import resolve_quantize
+    from forklm.backend import resolve_quantize
 
     agreements = [float(x) for x in args.pair.split(",")]
     quantize = resolve_quantize(args.quantize if args.quantize != "auto" else "int4", torch.float32,

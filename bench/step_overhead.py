@@ -22,6 +22,7 @@ import torch
 import forklm.engine.output_processor as output_processor
 from bench.machine import machine_info
 from bench.sweep import write_json
+from forklm.backend import Backend
 from forklm.config import ModelConfig
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.models.llama import LlamaModel
@@ -36,7 +37,7 @@ def _stub_model(vocab: int) -> LlamaModel:
         "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": vocab,
         "max_position_embeddings": 8192,
     }, source="step-overhead stub")
-    model = LlamaModel(cfg, random_weights(cfg, torch.float32, torch.device("cpu")), torch.float32, torch.device("cpu"))
+    model = LlamaModel(cfg, random_weights(cfg, Backend.exact(torch.float32, torch.device("cpu"))), torch.float32, torch.device("cpu"))
 
     logits = torch.zeros(1, vocab)
 

@@ -19,3 +19,7 @@ class ModelFileError(ForkLMError, ValueError):
 
 class OutOfMemoryError(ForkLMError, MemoryError):
     """A request needs more memory than the device has; raised before allocating."""
+
+
+class ModelOutputError(ForkLMError, RuntimeError):
+    """The model computed something no token can be drawn from (NaN / inf logits); the request stops."""

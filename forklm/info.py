@@ -22,7 +22,7 @@ def kernels_report() -> dict[str, str]:
     def state(err: str | None, built: str = "built") -> str:
         return built if err is None else f"not available: {err}"
 
-    block = state(block_gemm.build_error(), "built (AVX512-VNNI)" if block_gemm.uses_vnni() else "built (AVX2)")
+    block = state(block_gemm.build_error(), f"built ({block_gemm.LOADED_BUILDS.get('forklm_block_gemm', '?')})")
     return {
         "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)": block,
         "ggml dot products (every other GGUF type)": state(ggml_gemm.build_error(), f"built ({ggml_gemm.ggml_dir()})"),
@@ -73,6 +73,8 @@ def model_report(llm: Any) -> dict[str, Any]:
     report = {
         "source": str(llm.source), "architecture": llm.config.architecture, "dtype": str(llm.dtype).replace("torch.", ""),
         "quantize": llm.quantize,
+        "backend": m.backend.describe(),
+        "fall-backs from the fast path": "; ".join(m.backend.fallbacks) or "none",
         "layers": {k: f"{v} layers, {sizes[k] / 2**20:.1f} MiB" for k, v in groups.items()},
         "lm_head": f"{_placement(m.lm_head)}, {_bytes(m.lm_head) / 2**20:.1f} MiB",
         "embedding": "dense table" if m.embed is not None else "rows dequantized from the stored table on lookup",
@@ -84,19 +86,20 @@ def model_report(llm: Any) -> dict[str, Any]:
 
 def _why_no_stack(m: Any) -> str:
     from forklm.kernels import decode_stack
-    from forklm.models.quant import BlockLinear
 
-    if decode_stack.build_error() is not None:
-        return decode_stack.build_error()
-    if m.dtype != torch.float32:
-        return f"it runs float32 models, this one is {m.dtype}"
-    for i, layer in enumerate(m.layers):
-        for n in ("qkv", "o", "gate_up", "down"):
-            if not isinstance(layer[n], BlockLinear):
-                return f"layer {i}'s {n} does not run on the block kernel"
-            if layer.get(f"{n}_bias") is not None:
-                return f"layer {i}'s {n} has a bias"
-    return "not built"
+    return decode_stack.build_error() or decode_stack.unsupported_reason(m) or "not built"
+
+
+def _openmp() -> str:
+    from forklm.kernels.block_gemm import openmp_runtime
+
+    return openmp_runtime() or "none loaded"
+
+
+def _cache_root():
+    from forklm.kernels.native import cache_root
+
+    return cache_root()
 
 
 def report(llm: Any | None = None) -> dict[str, Any]:
@@ -105,7 +108,8 @@ def report(llm: Any | None = None) -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu features forklm's rules see": " ".join(f for f in FLAGS_SHOWN if f in flags) or "none of " + ", ".join(FLAGS_SHOWN),
         "FORKLM_CPU_ISA": os.environ.get("FORKLM_CPU_ISA", "native"),
-        "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
+        "torch": f"{torch.__version__}, {torch.get_num_threads()} threads, OpenMP runtime {_openmp()}",
+        "kernel builds": str(_cache_root()),
         "kernels": kernels_report(),
     }
     if llm is not None:

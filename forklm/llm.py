@@ -9,19 +9,11 @@ from typing import Any
 
 import torch
 
-from forklm.device import available_memory_bytes, resolve_device, resolve_dtype
+from forklm.device import available_memory_bytes
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.errors import InvalidArgumentError, OutOfMemoryError
-from forklm.models.llama import LlamaModel
-from forklm.models.quant import (
-    BlockQuantized,
-    GGMLWeights,
-    float32_for_block_kernel,
-    resolve_quantize,
-)
-from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
-from forklm.models.random_weights import random_config, random_weights
-from forklm.models.registry import DEFAULT_MODEL, load_model_files
+from forklm.models.loading import load_model
+from forklm.models.registry import DEFAULT_MODEL
 from forklm.outputs import SampleOutput
 from forklm.sampling.constraints import make_constraint, token_constraints
 from forklm.sampling.params import SamplingParams
@@ -124,26 +116,13 @@ class LLM:
         speculative: SpeculativeConfig | dict | str | None = None,
     ) -> None:
         self.speculative = SpeculativeConfig.from_any(speculative)  # checked before loading
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        asked = resolve_quantize(quantize, self.dtype, self.device)  # checks the value before loading
-        if isinstance(model, str) and model.lower().startswith(RANDOM_PREFIX):
-            # a benchmark tool: a real shape with random weights drawn on the device, no files
-            config = random_config(model)
-            weights = random_weights(config, self.dtype, self.device)
-            tokenizer, source = None, model
-        else:
-            config, weights, tokenizer, source = load_model_files(model, keep_quantized=asked == "gguf")
-        has_blocks = any(isinstance(w, (BlockQuantized, GGMLWeights)) for w in weights.values())
-        self.quantize = resolve_quantize(quantize, self.dtype, self.device, has_gguf_blocks=has_blocks)
-        if (dtype is None or dtype == "auto") and float32_for_block_kernel(self.quantize, self.device, has_blocks):
-            self.dtype = torch.float32  # the block kernel's activations (its dense copies: block_dense_dtype)
-        self.source = source
-        self.config = config
+        loaded = load_model(model, dtype=dtype, device=device, quantize=quantize)
+        self.model, tokenizer, self.source = loaded.model, loaded.tokenizer, loaded.source
+        self.backend = self.model.backend  # dtype, device, weight formats, kernels: resolved once for this model
+        self.device, self.dtype, self.quantize = self.backend.device, self.backend.dtype, self.backend.quantize
+        self.config = config = self.model.config
         self.tokenizer = tokenizer
-        self.model = LlamaModel(config, weights, self.dtype, self.device, quantize=self.quantize)
         self.model.num_valid_tokens = tokenizer.vocab_size if tokenizer else config.vocab_size  # padded vocab: masked
-        del weights
         eos = tuple(config.eos_token_ids) + (tuple(tokenizer.eos_token_ids) if tokenizer else ())
         # a random-weight model has no vocabulary: its "text" spells the token ids
         self.decode = tokenizer.decode if tokenizer else _ids_as_text
@@ -163,7 +142,7 @@ class LLM:
         loaded = self.__dict__.setdefault("_drafts", {})  # a per-call config loads its draft once
         if spec in loaded:
             return loaded[spec]
-        model, tokenizer = load_draft_model(spec.draft_model, self.dtype, self.device, quantize)
+        model, tokenizer = load_draft_model(spec.draft_model, self.backend, quantize)
         check_same_vocabulary(self.model, self.tokenizer, model, tokenizer)
         loaded[spec] = dataclasses.replace(spec, draft_model=model)
         return loaded[spec]

@@ -52,6 +52,7 @@ def tiny_llama(vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int
 
     from forklm.config import ModelConfig
     from forklm.models.llama import LlamaModel
+    from forklm.backend import Backend
 
     g = torch.Generator().manual_seed(seed)
 
@@ -78,7 +79,7 @@ def tiny_llama(vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int
     cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=H, intermediate_size=inter,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
                       max_position_embeddings=max_positions)
-    return LlamaModel(cfg, w, dtype, torch.device("cpu"), quantize=quantize)
+    return LlamaModel(cfg, w, Backend.exact(dtype, torch.device("cpu"), quantize=quantize))
 
 
 def fail_forward_call(monkeypatch, model, call: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from forklm import backend
+from forklm.backend import Backend
 from forklm.kernels import block_gemm as bg
 from forklm.models import quant
 from forklm.models.quant import BlockLinear, BlockQuantized
@@ -190,7 +192,7 @@ def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_
 
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
     m, ref = llm.model, smollm2_f32.model
-    assert quant.block_kernel_available()
+    assert llm.backend.block_kernel and backend.block_kernel_available()
     assert m.layers[0]["qkv"].kind == "q4_1" and m.lm_head.kind == "q8_0"
     assert m.embed is None and m.lm_head.dense is None  # weights resident once: no dense copies
     want = ref.layers[5]["gate_up"]
@@ -247,13 +249,14 @@ def test_kernel_can_be_turned_off_and_gguf_falls_back_to_pytorch_int4():
             "from forklm.models.quant import BlockQuantized; "
             "b = BlockQuantized('q4_1', torch.randint(0, 16, (64, 64), dtype=torch.uint8), torch.full((64, 2), 0.01), "
             "torch.full((64, 2), -0.05)); "
-            "w = quant.quantize_weight(b, 'gguf', torch.bfloat16, dense_dtype=torch.float32); print(w.kind)")
+            "from forklm.backend import Backend; "
+            "w = quant.build_matrix([b], 'gguf', Backend.exact(torch.float32, torch.device('cpu'), 'gguf')); print(w.kind)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                          env={**__import__("os").environ, "FORKLM_BLOCK_KERNEL": "0"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["disabled by FORKLM_BLOCK_KERNEL=0", "int4"]
     b = random_blocks("q4_1", 64, 64, seed=2)
-    assert quant.quantize_weight(b, "gguf", torch.bfloat16, dense_dtype=torch.float32).kind == "q4_1"  # here: on
+    assert quant.build_matrix([b], "gguf", Backend.exact(torch.float32, torch.device("cpu"), "gguf")).kind == "q4_1"  # here: on
 
 
 def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
@@ -266,7 +269,7 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     lo = w.view(70, 3, 32).amin(-1)
     bound = (b.d / 2 + (b.m - lo).abs() + 1e-6).repeat_interleave(32, dim=1)
     assert ((deq - w).abs() <= bound).all()  # each value within half a step (and m's float16 rounding)
-    lin = quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.float32)
+    lin = quant.build_matrix([w], "int4", Backend.exact(torch.float32, torch.device("cpu"), "int4"))
     assert isinstance(lin, BlockLinear) and lin.kind == "q4_1" and lin.dense is None
     assert torch.equal(lin.dequantize(), deq)
     x = torch.randn(5, 96)
@@ -275,7 +278,7 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     y = lin(many)
     assert y.dtype == torch.float32 and rel_err(y, bg.gemm_reference(many, lin.blocks)) < 1e-5
     # bfloat16 models keep PyTorch's int4 kernel
-    assert quant.quantize_weight(w, "int4", torch.bfloat16, dense_dtype=torch.bfloat16).kind == "int4"
+    assert quant.build_matrix([w], "int4", Backend.exact(torch.bfloat16, torch.device("cpu"), "int4")).kind == "int4"
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0"])
@@ -352,6 +355,30 @@ def test_paired_row_tiles_equal_the_plain_tiles_bit_for_bit(kind):
             assert rel_err(getattr(paired, fn)(x, *args, bg.PLAIN, None, 0.0, None), bg.gemm_reference(x, w)) < 1e-5
 
 
+def test_int8_from_a_float_checkpoint_runs_as_q8_0_blocks():
+    """quantize="int8" on a float32 model with the block kernel: Q8_0 blocks (d = max|w| / 127 per 32
+    values, float16), resident once, every row count on the kernel; without it PyTorch's int8 kernel."""
+    w = torch.randn(70, 96, generator=torch.Generator().manual_seed(5)) * 0.05
+    w[2, 32:64] = 0.0  # an all-zero block: d = 0, q = 0, exact
+    b = quant.q8_0_from_float(w)
+    assert b.q.dtype == torch.int8 and b.q.abs().max() <= 127 and torch.equal(b.d, b.d.half().float())
+    deq = b.dequantize()
+    assert torch.equal(deq[2, 32:64], w[2, 32:64])
+    bound = (b.d / 2 + 1e-7).repeat_interleave(32, dim=1)
+    assert ((deq - w).abs() <= bound).all()  # each value within half a step of its block's scale
+    lin = quant.build_matrix([w], "int8", Backend.exact(torch.float32, torch.device("cpu"), "int8"))
+    assert isinstance(lin, BlockLinear) and lin.kind == "q8_0" and lin.dense is None
+    assert torch.equal(lin.dequantize(), deq)
+    for rows in (1, 5, 200):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        y = lin(x)
+        assert y.dtype == torch.float32 and rel_err(y, bg.gemm_reference(x, lin.blocks)) < 1e-5
+        assert rel_err(y, x.double() @ w.double().t()) < 0.02  # close to the float weights
+    assert quant.build_matrix([w], "int8", Backend.exact(torch.bfloat16, torch.device("cpu"), "int8")).kind == "int8"
+    with pytest.raises(Exception, match="divisible by 32"):
+        quant.q8_0_from_float(torch.randn(4, 40))
+
+
 def test_auto_dtype_is_float32_where_the_weights_run_on_the_block_kernel(smollm2_gguf):
     """dtype='auto' is a fixed rule of the CPU's features and the weights' format: the block kernel's
     float32 activations for GGUF blocks / int4 (dense copies bfloat16 where the CPU has it natively);
@@ -360,9 +387,14 @@ def test_auto_dtype_is_float32_where_the_weights_run_on_the_block_kernel(smollm2
     from forklm.device import resolve_dtype
 
     cpu = torch.device("cpu")
-    assert quant.float32_for_block_kernel("gguf", cpu, True) and quant.float32_for_block_kernel("int4", cpu, False)
-    assert not quant.float32_for_block_kernel("gguf", cpu, False)  # a GGUF file of float tensors
-    assert not quant.float32_for_block_kernel("int8", cpu, False) and not quant.float32_for_block_kernel(None, cpu, True)
+    def auto_dtype(quantize, has_blocks):
+        return Backend.resolve(device="cpu", quantize=quantize, has_gguf_blocks=has_blocks).dtype
+
+    assert auto_dtype("gguf", True) == auto_dtype("int4", False) == auto_dtype("auto", True) == torch.float32
+    native = resolve_dtype("auto", cpu)
+    assert auto_dtype("auto", False) == native  # a GGUF file of float tensors
+    assert auto_dtype("int8", False) == torch.float32  # Q8_0 blocks on the kernel
+    assert auto_dtype(None, True) == native
     llm = LLM("smollm2-135m", device="cpu")
     assert llm.dtype == torch.float32 and llm.quantize == "gguf"
     assert llm.model.layers[0]["qkv"].dense is None
@@ -381,9 +413,9 @@ def test_cpu_isa_avx2_takes_every_choice_an_avx2_cpu_would(monkeypatch):
     from forklm.errors import InvalidArgumentError
 
     probe = ("from forklm.device import cpu_flags, cpu_has_native_bf16; from forklm.kernels import block_gemm as bg;"
-             "from forklm.models import quant; f = cpu_flags();"
+             "from forklm import backend; f = cpu_flags();"
              "print(any(x.startswith(('avx512', 'amx')) for x in f), 'avx2' in f, cpu_has_native_bf16(),"
-             " bg.uses_vnni(), quant.block_dense_dtype())")
+             " bg.uses_vnni(), backend.block_dense_dtype())")
     env = {k: v for k, v in __import__("os").environ.items() if k != "FORKLM_CPU_ISA"}
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "FORKLM_CPU_ISA": "avx2"},
                          capture_output=True, text=True, check=True).stdout.split()

@@ -158,6 +158,9 @@ def test_bad_plans_are_refused_with_a_message():
         run([SegmentItem([1], [1], 3)])
     with pytest.raises(RuntimeError, match="reads no item"):
         ca.paged_attention(torch.randn(2, h, D), k_cache, v_cache, ca.plan_items([SegmentItem([0], [1], 3)], 2, bs), h)
+    with pytest.raises(RuntimeError, match="no item"):  # rows and an empty plan: never uninitialized rows
+        ca.paged_attention(torch.randn(2, h, D), k_cache, v_cache, ca.plan_items([], 2, bs), h)
+    assert ca.paged_attention(q[:0], k_cache, v_cache, ca.plan_items([], 0, bs), h).shape == (0, h * D)
     with pytest.raises(RuntimeError, match="float32"):
         ca.paged_attention(q.double(), k_cache, v_cache, ca.plan_items([SegmentItem([0], [1], 3)], 1, bs), h)
     with pytest.raises(RuntimeError, match="multiple"):  # 3 query heads over 2 KV heads

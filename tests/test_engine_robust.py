@@ -171,3 +171,34 @@ def test_samples_decode_as_one_lane_group(monkeypatch):
     decode_plans = [pl for pl in plans if pl.num_decode == 6]
     assert len(decode_plans) >= 10
     assert all(len(pl.tails) == 1 and pl.tails[0].num_rows == 6 for pl in decode_plans)
+
+
+@pytest.mark.parametrize("poison", ["nan", "-inf"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])  # argmax and the sampler (the C++ one where it runs)
+def test_non_finite_logits_stop_their_request_with_a_clear_error(monkeypatch, poison, temperature):
+    """A row of logits holding NaN (or only -inf) is a model gone wrong: no token is drawn from it (the
+    sampler and argmax would each pick some token); its request stops with ModelOutputError, the other
+    request in the same steps runs to its reference result, and no block leaks."""
+    from forklm.errors import ModelOutputError
+
+    eng = engine()
+    real = eng.model.forward
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        logits = real(*args, **kwargs).clone()  # (an inference tensor is not written in place)
+        calls["n"] += 1
+        if calls["n"] == 3:  # a decode step: the first row's logits
+            logits[0] = float(poison)
+        return logits
+
+    monkeypatch.setattr(eng.model, "forward", poisoned)
+    pa, pb = params(6, temperature=temperature), params(7, n=2, temperature=temperature)
+    a, b = eng.add_request(PROMPT_A, pa), eng.add_request(PROMPT_B, pb)
+    run_checked(eng)
+    failed = [r for r in (a, b) if r.error is not None]
+    assert len(failed) == 1 and isinstance(failed[0].error, ModelOutputError)
+    assert "not finite" in str(failed[0].error)
+    other, prompt, p = (b, PROMPT_B, pb) if failed[0] is a else (a, PROMPT_A, pa)
+    same_as_reference(other, prompt, p)
+    assert eng.blocks_in_use() == 0

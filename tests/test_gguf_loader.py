@@ -11,6 +11,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from forklm.backend import Backend  # noqa: E402
 from forklm.errors import ModelFileError, UnsupportedModelError  # noqa: E402
 from forklm.models.gguf_loader import _unpermute, load_gguf  # noqa: E402
 from forklm.tokenizer import _byte_alphabet  # noqa: E402
@@ -300,7 +301,7 @@ def test_tiny_llama_with_every_bias_matches_transformers(tmp_path):
         num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6,
         attention_bias=True, mlp_bias=True, tie_word_embeddings=False)).eval()
     hf.load_state_dict({k: v * 0.1 for k, v in weights.items()}, strict=True)  # every tensor, no extras
-    model = LlamaModel(config, {k: v * 0.1 for k, v in weights.items()}, torch.float32, torch.device("cpu"))
+    model = LlamaModel(config, {k: v * 0.1 for k, v in weights.items()}, Backend.exact(torch.float32, torch.device("cpu")))
     ids = torch.from_numpy(rng.integers(0, 259, 12))
     ours = model.forward(ids, torch.arange(len(ids)), CausalPrefill())
     with torch.no_grad():

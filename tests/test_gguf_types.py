@@ -127,7 +127,7 @@ def test_engine_features_on_a_k_quant_file(kquant_gguf):
 def test_a_type_without_a_kernel_is_refused_by_name():
     parts = [ggml_gemm.GGMLWeights(torch.zeros(4, 54, dtype=torch.uint8), "TQ1_0", 4, 256)]
     with pytest.raises(Exception, match="TQ1_0"):
-        quant.stored_matrix(parts, torch.float32, torch.device("cpu"))
+        quant.stored_matrix(parts, block_kernel=True)
 
 
 def test_without_ggml_a_file_of_its_types_is_refused_and_the_float_path_runs(zoo_gguf, kquant_gguf):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from forklm.backend import Backend
 from forklm.reference.forked_attention import DecodeAttention, PrefillAttention
 from forklm.reference.forked_kv import ForkedKVCache
 from forklm.config import ModelConfig
@@ -47,7 +48,7 @@ def save_random(tmp_path: Path, variant: str, seed: int = 0, **save_kwargs):
 def forklm_logits(folder: Path, ids: torch.Tensor, decode_ids: torch.Tensor, path: str, dtype=torch.float32):
     """Logits at every prompt position, then after each decode token (one sample)."""
     cfg = ModelConfig.from_json_file(folder / "config.json")
-    model = LlamaModel(cfg, load_hf_weights(folder), dtype, torch.device("cpu"))
+    model = LlamaModel(cfg, load_hf_weights(folder), Backend.exact(dtype, torch.device("cpu")))
     cache = ForkedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), len(decode_ids), 1, dtype, "cpu")
     prefill = model.forward(ids, torch.arange(len(ids)), PrefillAttention(cache))
     cache.fork()
@@ -137,7 +138,7 @@ def test_missing_tensor_is_named(tmp_path):
     del w["model.layers.1.mlp.down_proj.weight"]
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
     with pytest.raises(ModelFileError, match="model.layers.1.mlp.down_proj.weight"):
-        LlamaModel(cfg, w, torch.float32, torch.device("cpu"))
+        LlamaModel(cfg, w, Backend.exact(torch.float32, torch.device("cpu")))
 
 
 @pytest.mark.parametrize("variant, extra", [
@@ -157,7 +158,7 @@ def test_tensors_the_model_does_not_use_are_refused_by_name(tmp_path, variant, e
     save_file(w, tmp_path / "model.safetensors")
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
     with pytest.raises(UnsupportedModelError, match=re.escape(extra)):
-        LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"))
+        LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(torch.float32, torch.device("cpu")))
 
 
 def test_biases_the_config_asks_for_must_be_there(tmp_path):
@@ -167,7 +168,7 @@ def test_biases_the_config_asks_for_must_be_there(tmp_path):
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
     assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias
     with pytest.raises(ModelFileError, match="model.layers.1.mlp.gate_proj.bias"):
-        LlamaModel(cfg, w, torch.float32, torch.device("cpu"))
+        LlamaModel(cfg, w, Backend.exact(torch.float32, torch.device("cpu")))
 
 
 def test_padded_vocabulary_ids_are_masked(tmp_path):
@@ -175,7 +176,7 @@ def test_padded_vocabulary_ids_are_masked(tmp_path):
     logits of the padding ids are -inf; the others are unchanged."""
     save_random(tmp_path, "qwen2")
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
-    model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"))
+    model = LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(torch.float32, torch.device("cpu")))
     assert model.num_valid_tokens == SMALL["vocab_size"]  # nothing masked by default
     ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(4))
     cache = ForkedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), 1, 1, torch.float32, "cpu")
@@ -215,14 +216,14 @@ def test_weight_layouts_agree_and_the_choice_is_fixed(tmp_path):
     ids = torch.randint(0, SMALL["vocab_size"], (24,), generator=torch.Generator().manual_seed(3))
     logits = {}
     for layout in ("in_out", "out_in", None):
-        model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"), weight_layout=layout)
+        model = LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(torch.float32, torch.device("cpu"), weight_layout=layout))
         cache = ForkedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, len(ids), 1, 1, torch.float32, "cpu")
         logits[layout] = model.forward(ids, torch.arange(len(ids)), PrefillAttention(cache))
         if layout is None:
             assert model.weight_layout == "in_out"  # float32 on CPU
     assert rel_err(logits["in_out"], logits["out_in"]) < 1e-5
     assert torch.equal(logits[None], logits["in_out"])
-    bf16 = LlamaModel(cfg, load_hf_weights(tmp_path), torch.bfloat16, torch.device("cpu"))
+    bf16 = LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(torch.bfloat16, torch.device("cpu")))
     assert bf16.weight_layout == "out_in"
     with pytest.raises(ValueError, match="weight_layout"):
-        LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"), weight_layout="rows")
+        LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(torch.float32, torch.device("cpu"), weight_layout="rows"))

@@ -6,6 +6,8 @@ import torch
 from conftest import rel_err
 from test_models_hf import save_random
 
+from forklm import backend
+from forklm.backend import Backend
 from forklm.config import ModelConfig
 from forklm.errors import InvalidArgumentError
 from forklm.models import quant
@@ -84,15 +86,15 @@ def test_int4_kernel_formula_is_q_minus_8_times_scale_plus_zero():
 def test_kernel_rule_by_rows():
     w = random_weight(64, 64, seed=2)
     ql = int4_from_float(w, torch.bfloat16)
-    assert ql.max_rows == quant.KERNEL_MAX_ROWS["int4"]
+    assert ql.max_rows == backend.KERNEL_MAX_ROWS["int4"]
     calls = []
     real = ql.kernel
     ql.kernel = lambda x: calls.append(x.shape[0]) or real(x)
     for T in (1, ql.max_rows, ql.max_rows + 1, 64):
         ql(torch.randn(T, 64, dtype=torch.bfloat16))
     assert calls == [1, ql.max_rows]
-    head = int8_from_float(random_weight(quant.WIDE_OUT, 32, seed=0), torch.bfloat16)
-    assert head.max_rows == quant.KERNEL_MAX_ROWS_WIDE["int8"]
+    head = int8_from_float(random_weight(backend.WIDE_OUT, 32, seed=0), torch.bfloat16)
+    assert head.max_rows == backend.KERNEL_MAX_ROWS_WIDE["int8"]
 
 
 def test_int4_shape_limits_are_named():
@@ -165,23 +167,24 @@ def model_logits(model, ids: torch.Tensor, decode_ids: torch.Tensor):
 def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, tol):
     hf = save_random(tmp_path, variant)
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
-    model = LlamaModel(cfg, load_hf_weights(tmp_path), dtype, torch.device("cpu"), quantize=how)
+    model = LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(dtype, torch.device("cpu"), quantize=how))
     ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
     prompt, decode = ids[:34], ids[34:]
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].double()
     assert isinstance(model.layers[0]["qkv"], QuantizedLinear) and isinstance(model.lm_head, QuantizedLinear)
-    on_block_kernel = how == "int4" and dtype == torch.float32 and quant.block_kernel_available()  # Q4_1 blocks
+    on_block_kernel = dtype == torch.float32 and backend.block_kernel_available()  # Q4_1 / Q8_0 blocks
     kernel_dtype = torch.float32 if on_block_kernel else torch.bfloat16
     if on_block_kernel:  # every row count on the kernel, no dense copy
         assert model.layers[0]["qkv"].dense is None and model.layers[0]["qkv"].dtype == kernel_dtype
+        assert model.layers[0]["qkv"].kind == {"int4": "q4_1", "int8": "q8_0"}[how] and model.lm_head.kind == "q8_0"
     else:
         assert model.layers[0]["qkv"].dense.dtype == dtype and model.layers[0]["qkv"].dtype == kernel_dtype
     prefill, steps = model_logits(model, prompt, decode)
     assert prefill.dtype == steps.dtype == torch.float32
     assert rel_err(prefill, ref[:34]) < tol
     assert rel_err(steps, ref[34:]) < tol
-    dense = LlamaModel(cfg, load_hf_weights(tmp_path), dtype, torch.device("cpu"))
+    dense = LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(dtype, torch.device("cpu")))
     held = model.num_weight_bytes()
     if dtype == torch.bfloat16:  # kernels: packed weights + scales + the dense copy (a float32 dense
         assert held > dense.num_weight_bytes()  # tied model also holds its LM head transposed: not compared)
@@ -191,12 +194,15 @@ def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, to
 
 
 def test_quantized_float32_model_runs_the_kernel_on_bfloat16_activations(tmp_path):
-    """A float32 model's int8 product (int4 runs forklm's block kernel where it builds:
-    test_block_gemm.py): PyTorch's kernel on activations rounded to bfloat16 for few rows, the float32
-    dense copy of the same weights above; both multiply the same dequantized weights."""
+    """A float32 model's int8 product where forklm's block kernel does not run (where it does, int8 and
+    int4 are Q8_0 / Q4_1 blocks on it: test_block_gemm.py): PyTorch's kernel on activations rounded to
+    bfloat16 for few rows, the float32 dense copy of the same weights above; both multiply the same
+    dequantized weights."""
     save_random(tmp_path, "llama-mha")
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
-    model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.float32, torch.device("cpu"), quantize="int8")
+    without_block_kernel = Backend.exact(torch.float32, torch.device("cpu"), "int8")
+    without_block_kernel.block_kernel = False
+    model = LlamaModel(cfg, load_hf_weights(tmp_path), without_block_kernel)
     w = load_hf_weights(tmp_path)["model.layers.1.mlp.down_proj.weight"]
     held = model.layers[1]["down"]
     expect = int8_from_float(w, torch.bfloat16, keep_dense=False).dequantize()  # bfloat16 scales
@@ -219,13 +225,13 @@ def test_bad_quantize_values_are_named(tmp_path):
     with pytest.raises(InvalidArgumentError, match="give a .gguf model"):
         LLM("random:smollm2-135m", dtype="bfloat16", device="cpu", quantize="gguf")
     with pytest.raises(InvalidArgumentError, match="cpu' only"):
-        quant.resolve_quantize("int4", torch.bfloat16, torch.device("cuda"))
-    assert quant.resolve_quantize("auto", torch.bfloat16, torch.device("cuda")) is None
-    assert quant.resolve_quantize("auto", torch.float32, torch.device("cpu"), True) == "gguf"
-    assert quant.resolve_quantize("auto", torch.float32, torch.device("cpu"), False) is None
-    assert quant.resolve_quantize("auto", torch.bfloat16, torch.device("cpu"), True) == "gguf"
-    assert quant.resolve_quantize("auto", torch.bfloat16, torch.device("cpu"), False) is None
-    assert quant.resolve_quantize("none", torch.bfloat16, torch.device("cpu")) is None
+        backend.resolve_quantize("int4", torch.bfloat16, torch.device("cuda"))
+    assert backend.resolve_quantize("auto", torch.bfloat16, torch.device("cuda")) is None
+    assert backend.resolve_quantize("auto", torch.float32, torch.device("cpu"), True) == "gguf"
+    assert backend.resolve_quantize("auto", torch.float32, torch.device("cpu"), False) is None
+    assert backend.resolve_quantize("auto", torch.bfloat16, torch.device("cpu"), True) == "gguf"
+    assert backend.resolve_quantize("auto", torch.bfloat16, torch.device("cpu"), False) is None
+    assert backend.resolve_quantize("none", torch.bfloat16, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("how", ["int8", "int4"])
@@ -280,7 +286,7 @@ def test_step_weight_bytes_counts_what_a_step_reads(tmp_path):
     """The benchmark's floor: packed weights and scales for steps the kernels run, dense copies above."""
     save_random(tmp_path, "llama-gqa")
     cfg = ModelConfig.from_json_file(tmp_path / "config.json")
-    model = LlamaModel(cfg, load_hf_weights(tmp_path), torch.bfloat16, torch.device("cpu"), quantize="int4")
+    model = LlamaModel(cfg, load_hf_weights(tmp_path), Backend.exact(torch.bfloat16, torch.device("cpu"), "int4"))
     mats = [t for lay in model.layers for t in lay.values() if isinstance(t, QuantizedLinear)] + [model.lm_head]
     small = {id(t): t for t in mats}.values()
     rest = model.norm.numel() * 2 + sum(t.numel() * 2 for lay in model.layers for t in lay.values()

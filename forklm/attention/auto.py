@@ -2,7 +2,7 @@
 
 Data: `bench/results/attention_sweep_cpu.json` (one layer of SmolLM2-135M's shape, h=9, g=3,
 D=64, 32 own tokens, float32 and bfloat16, 2-core AVX-512 Xeon), made by
-`python -m forklm.bench.attention_sweep`. Summary (standard time / bifurcated time):
+`python -m bench.attention_sweep`. Summary (standard time / bifurcated time):
 
     b = 1                       0.93-1.03  (the same work; bifurcation only adds a copy)
     b = 2-4, m_c <= 256         0.87-1.10  (the extra query transpose and merge cost as much as they save)

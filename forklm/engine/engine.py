@@ -30,9 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from forklm.attention.paged import StepPlanner
+from forklm.backend import DECODE_KERNELS
 from forklm.cache.paged_kv import PagedKVCache, kv_bytes_per_block
 from forklm.device import available_memory_bytes
 from forklm.engine.kv_manager import KVManager
@@ -54,7 +53,6 @@ from forklm.speculative.speculator import Speculator
 
 SCHEDULES = ("cache-aware", "fcfs")
 SHARED_ATTENTION = ("auto", "bifurcated", "standard")
-DECODE_KERNELS = ("auto", "torch", "triton", "cpu")
 KV_DTYPES = ("auto", "model", "float16")
 
 
@@ -146,16 +144,16 @@ class Engine:
         draft_model = None
         if spec is not None and spec.method == "draft":  # loaded (if named) and checked before anything is built
             tokenizer = getattr(decode, "__self__", None)
-            draft_model, draft_tokenizer = load_draft_model(spec.draft_model, model.dtype, model.device)
+            draft_model, draft_tokenizer = load_draft_model(spec.draft_model, model.backend)
             check_same_vocabulary(model, tokenizer if has_tokenizer else None, draft_model, draft_tokenizer)
-        self.decode_kernel = _resolve_decode_kernel(cfg.decode_kernel, model)
+        self.decode_kernel = model.backend.engine_decode_kernel(cfg.decode_kernel)
         if model.device.type == "cpu":  # the step's other C++ parts built now (once per machine), not on a request
             from forklm.kernels import cpu_sampler
 
             cpu_sampler.available()
             if self.decode_kernel == "cpu":
                 model.prepare_decode_stack()
-        self.kv_dtype = _resolve_kv_dtype(cfg.kv_dtype, model, self.decode_kernel)
+        self.kv_dtype = model.backend.kv_dtype(cfg.kv_dtype, self.decode_kernel)
         per_block = kv_bytes_per_block(model.config, self.kv_dtype, cfg.block_size)
         if draft_model is not None:  # every block has a twin in the draft's KV
             per_block += kv_bytes_per_block(draft_model.config, draft_model.dtype, cfg.block_size)
@@ -176,9 +174,7 @@ class Engine:
         self.metrics = EngineMetrics()
         drafter = None
         if draft_model is not None:
-            draft_kernel = self.decode_kernel
-            if draft_kernel == "cpu" and not _cpu_kernel_runs(draft_model):
-                draft_kernel = "torch"
+            draft_kernel = self.decode_kernel if self.decode_kernel != "cpu" else draft_model.backend.decode_kernel
             drafter = DraftModelDrafter(draft_model, num_blocks, cfg.block_size, cfg.shared_attention, draft_kernel,
                                         model.config.vocab_size, spec.draft_temperature, spec.draft_top_p)
             self.kv_manager.draft_kv = drafter.kv
@@ -449,36 +445,3 @@ def working_set_bytes(config, cfg: EngineConfig) -> int:
     sampler's temporaries (softmax, filtered copies: ~4 rows of the vocabulary per row)."""
     rows = min(cfg.max_num_seqs + 1, cfg.max_batch_tokens + cfg.max_num_seqs)
     return rows * config.vocab_size * 4 * 5
-
-
-def _cpu_kernel_runs(model) -> bool:
-    from forklm.kernels import cpu_attention
-
-    return model.device.type == "cpu" and cpu_attention.supports(model.dtype, model.config.head_dim)
-
-
-def _resolve_kv_dtype(choice: str, model, decode_kernel: str) -> torch.dtype:
-    """A fixed rule (see EngineConfig.kv_dtype): never a timing probe."""
-    if choice == "model" or (choice == "auto" and (decode_kernel != "cpu" or model.quantize is None)):
-        return model.dtype
-    if decode_kernel != "cpu":
-        raise InvalidArgumentError(f"kv_dtype='float16' needs the 'cpu' decode kernel (this engine runs {decode_kernel!r})")
-    return torch.float16
-
-
-def _resolve_decode_kernel(choice: str, model) -> str:
-    from forklm.kernels.segment_attention import available
-
-    if choice == "auto":
-        # CPU: the C++ kernel where it runs (a fixed rule: float32, AVX2, head dim a multiple of 16).
-        # The Triton kernel is checked in Triton's interpreter only; it becomes the CUDA default once
-        # it has been checked and timed on a GPU (issue 6).
-        return "cpu" if _cpu_kernel_runs(model) else "torch"
-    if choice == "cpu" and not _cpu_kernel_runs(model):
-        from forklm.kernels import cpu_attention
-
-        why = cpu_attention.build_error() or f"the model is {model.dtype} on {model.device.type}, head dim {model.config.head_dim}"
-        raise InvalidArgumentError(f"decode_kernel='cpu' needs a float32 CPU model with head dim a multiple of 16 on an AVX2 CPU ({why})")
-    if choice == "triton" and not available():
-        raise InvalidArgumentError("decode_kernel='triton' needs the triton package (pip install triton)")
-    return choice

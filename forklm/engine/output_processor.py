@@ -36,6 +36,7 @@ from forklm.sampling.constraints import MaskWorker, token_constraints
 from forklm.sampling.sample_state import (
     SampleState,
     accept_ahead,
+    check_finite,
     check_finished,
     draw_rows,
     draw_tokens,
@@ -174,6 +175,7 @@ class OutputProcessor:
             if failed and id(r) in failed:
                 continue
             try:
+                check_finite(st)
                 fin = check_finished(st, r.params, r.stop_ids, decode)
                 sample = to_sample(st, decode) if fin else None
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: this request fails
@@ -232,6 +234,7 @@ class OutputProcessor:
             try:
                 for j in span:
                     accept_ahead(st, lps[j], top[j][:kt] if kt else None)
+                    check_finite(st)
                     accepted += 1
                     r.stats.generated_tokens += 1
                     fin = check_finished(st, r.params, r.stop_ids, self.decode, forced=True)
@@ -319,6 +322,7 @@ class OutputProcessor:
                 for j in span[: a + 1]:
                     st.token_ids.append(drawn[j])
                     st.logprobs.append(lps[j])
+                    check_finite(st)
                     if kt:
                         if st.top_logprobs is None:
                             st.top_logprobs = []

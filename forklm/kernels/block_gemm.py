@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import platform
-import time
-import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -39,57 +37,66 @@ def cpu_supports() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and all(f in cpu_flags() for f in REQUIRED_CPU_FLAGS)
 
 
-def _remove_stale_lock(name: str, max_age_s: float = 600.0) -> None:
-    """A build killed half-way leaves torch's lock file behind and the next `load` waits on it
-    forever: a lock older than any build here (~40 s) is removed."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
+OPENMP_PREFIXES = ("libgomp", "libiomp", "libomp")
 
-        lock = Path(_get_build_directory(name, False)) / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > max_age_s:
-            lock.unlink()
-    except Exception:  # noqa: BLE001, S110 - a private helper of torch's: never fail because of it
-        pass
+
+def openmp_runtime() -> str | None:
+    """The file name of the OpenMP runtime torch runs on, read from the libraries this process has
+    loaded: the one in torch's own lib folder (libgomp.so.1 in today's x86 wheels, a renamed copy
+    such as libgomp-<hash>.so.1 in older ones), else a system runtime torch links; None if none.
+    (Other wheels load their own renamed copies, e.g. sentencepiece's: not torch's, not counted.)"""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return None
+    loaded = [Path(p) for p in paths if Path(p).name.startswith(OPENMP_PREFIXES)]
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    own = [p for p in loaded if p.parent == torch_lib]
+    system = [p for p in loaded if ".libs" not in p.parent.name and "site-packages" not in str(p)]
+    found = own or system
+    return found[0].name if found else None
 
 
 def _torch_uses_libgomp() -> bool:
-    """The kernel's threads are OpenMP's: it links libgomp.so.1, which resolves to the copy torch
-    loaded. A torch on another OpenMP runtime would get a second thread pool: not built then."""
-    return (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists()
+    """The kernels' threads are OpenMP's: they link libgomp.so.1, which resolves to the runtime torch
+    loaded only where that is GNU OpenMP under its own name; a renamed copy or another runtime would
+    give a second thread pool, so the kernels are not built then (the reason says which runtime)."""
+    return openmp_runtime() == "libgomp.so.1"
 
 
 def load_cpu_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
-    """Builds (once per machine, cached under ~/.cache/torch_extensions) and loads one of forklm's
-    AVX2 C++ sources as a Python module (`extra_cflags`: a variant's further instruction sets; a
-    variant needs its own `name`)."""
-    from torch.utils.cpp_extension import load
+    """Builds (once per machine and version, `native.load_extension`) and loads one of forklm's AVX2
+    C++ sources as a Python module (`extra_cflags`: a variant's further instruction sets; a variant
+    needs its own `name`)."""
+    from forklm.kernels import native
 
-    _remove_stale_lock(name)
-    # torch rebuilds when a listed source or a flag changes, not when a file it includes does: the
-    # hash of every file beside it (headers, and the sources decode_stack.cpp includes) is a flag
-    headers = zlib.crc32(b"".join(f.read_bytes() for f in sorted(source.parent.glob("*.[ch]*")) if f != source))
-    return load(
-        name=name,
-        sources=[str(source)],
-        # -fopenmp: at::parallel_for is inline OpenMP; the process already holds torch's libgomp.so.1,
-        # which the extension's libgomp.so.1 dependency resolves to (one thread pool)
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
-                      f"-DFORKLM_HEADERS={headers:#x}", *extra_cflags],
-        extra_ldflags=["-fopenmp"],
-        verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1",
-    )
+    # -fopenmp: at::parallel_for is inline OpenMP; the process already holds torch's libgomp.so.1,
+    # which the extension's libgomp.so.1 dependency resolves to (one thread pool)
+    return native.load_extension(
+        name, source, ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", *extra_cflags],
+        ["-fopenmp"])
 
 
-def cpu_extension_error(load) -> str | None:
-    """None when `load()` builds and loads an extension on this machine, else why not."""
+def cpu_extension_error(load, kernel: str = "C++") -> str | None:
+    """None when `load()` builds and loads an extension on this machine, else why not (a build that
+    fails on a CPU that should run it is said once, as a warning naming the kernel)."""
+    from forklm.kernels import native
+
     if not cpu_supports():
         return f"this CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)} (or is not x86-64)"
     if not _torch_uses_libgomp():
-        return "this torch does not run on GNU OpenMP (libgomp), which the kernels' threads share"
+        runtime = openmp_runtime()
+        why = f"this torch runs on {runtime}, not GNU OpenMP's libgomp.so.1, which the kernels' threads share"
+        native.warn_once(kernel, why, "PyTorch's operators run instead")
+        return why
     try:
         load()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the caller falls back
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        text = str(e).strip()
+        why = f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+        native.warn_once(kernel, why, "PyTorch's operators run instead")
+        return why
     return None
 
 
@@ -107,15 +114,26 @@ def uses_vnni() -> bool:
             and all(f in cpu_flags() for f in VNNI_CPU_FLAGS))
 
 
+LOADED_BUILDS: dict[str, str] = {}  # name -> the build that loaded ("AVX512-VNNI" or "AVX2")
+
+
 def load_block_kernel_build(name: str, source: Path):
     """A source holding the block kernel, built as `name_vnni` with AVX512-VNNI where `uses_vnni`
-    (falling back to the AVX2 build `name` if that build fails), else as `name`."""
+    (falling back to the AVX2 build `name` if that build fails: said once, and recorded so that no
+    later process retries it), else as `name`. `LOADED_BUILDS[name]` says which one runs."""
+    from forklm.kernels import native
+
     if uses_vnni():
         try:
-            return load_cpu_extension(f"{name}_vnni", source, _VNNI_CFLAGS)
-        except Exception:  # noqa: BLE001, S110 - a compiler without AVX512-VNNI: the AVX2 build still runs
-            pass
-    return load_cpu_extension(name, source)
+            module = load_cpu_extension(f"{name}_vnni", source, _VNNI_CFLAGS)
+            LOADED_BUILDS[name] = "AVX512-VNNI"
+            return module
+        except Exception as e:  # noqa: BLE001 - a compiler without AVX512-VNNI: the AVX2 build still runs
+            native.warn_once(f"{name} AVX512-VNNI", str(e).strip().splitlines()[-1] if str(e).strip() else repr(e),
+                             "its AVX2 build runs instead")
+    module = load_cpu_extension(name, source)
+    LOADED_BUILDS[name] = "AVX2"
+    return module
 
 
 @lru_cache(maxsize=1)
@@ -128,7 +146,7 @@ def build_error() -> str | None:
     """None when the kernel is built and loaded (building it on first call), else why not."""
     if os.environ.get("FORKLM_BLOCK_KERNEL", "1") == "0":
         return "disabled by FORKLM_BLOCK_KERNEL=0"
-    return cpu_extension_error(_extension)
+    return cpu_extension_error(_extension, "block")
 
 
 def available() -> bool:
@@ -213,10 +231,18 @@ class BlockWeights:
                             pick(self.qh), pick(self.sc), regroup(self.dm), pick(self.q2))
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]: d·q (+ m) per block (`BlockQuantized.dequantize` of the unpacked values)."""
-        from forklm.models.quant import BlockQuantized
+        """float32 [N, K]: d·q (+ m) per block of the unpacked values."""
+        return dequantize_values(*self.unpack())
 
-        return BlockQuantized(self.kind, *self.unpack()).dequantize()
+
+def dequantize_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """float32 [N, K] from values q [N, K] and per-block scales d (minima m) [N, K / block] (block 32;
+    Q6_K: 16), computed as gguf's numpy dequantization does ((d·q) + m in float32)."""
+    n, k = q.shape
+    w = q.float().view(n, d.shape[1], -1) * d.unsqueeze(-1)
+    if m is not None:
+        w = w + m.unsqueeze(-1)
+    return w.view(n, k)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

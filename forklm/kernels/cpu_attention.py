@@ -45,7 +45,7 @@ def build_error() -> str | None:
     """None when the kernel is built and loaded (building it on first call), else why not."""
     if os.environ.get("FORKLM_CPU_ATTENTION", "1") == "0":
         return "disabled by FORKLM_CPU_ATTENTION=0"
-    return cpu_extension_error(_extension)
+    return cpu_extension_error(_extension, "C++ attention")
 
 
 def available() -> bool:

@@ -39,7 +39,7 @@ def build_error() -> str | None:
     """None when the kernel is built and loaded (building it on first call), else why not."""
     if os.environ.get("FORKLM_CPU_SAMPLER", "1") == "0":
         return "disabled by FORKLM_CPU_SAMPLER=0"
-    return cpu_extension_error(_extension)
+    return cpu_extension_error(_extension, "C++ sampler")
 
 
 def available() -> bool:

@@ -40,7 +40,7 @@ def build_error() -> str | None:
     for name, kernel in (("block kernel", block_gemm), ("C++ attention", cpu_attention)):
         if kernel.build_error() is not None:
             return f"the {name} does not run here: {kernel.build_error()}"
-    return cpu_extension_error(_extension)
+    return cpu_extension_error(_extension, "decode stack")
 
 
 def available() -> bool:
@@ -53,23 +53,38 @@ class DecodeStack:
     max_rows: int  # the most rows a step may have to run on it (every product's kernel limit)
 
 
-def build(model) -> DecodeStack | None:
-    """The stack for a Llama-type model (`forklm.models.llama.LlamaModel`) whose every layer runs on
-    the block kernel (float32, GGUF blocks; q/k/v biases as Qwen2 has, no other biases), else None."""
-    from forklm.models.quant import BlockLinear
+LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
 
-    names = ("qkv", "o", "gate_up", "down")
+
+def _on_block_kernel(w) -> bool:
+    """Whether a model's product runs on the block kernel (a `BlockLinear`: its parts `BlockWeights`)."""
+    parts = getattr(w, "parts", None)
+    return bool(parts) and all(isinstance(p, block_gemm.BlockWeights) for p in parts)
+
+
+def unsupported_reason(model) -> str | None:
+    """None where a Llama-type model (`forklm.models.llama.LlamaModel`) can run every layer on the stack
+    (float32, every layer product on the block kernel; q/k/v biases as Qwen2 has, no other biases),
+    else why not (the kernel's own build aside)."""
     if model.dtype != torch.float32:
-        return None
-    for layer in model.layers:
-        if any(not isinstance(layer[n], BlockLinear) for n in names):
-            return None
-        if any(layer.get(f"{n}_bias") is not None for n in ("o", "gate_up", "down")):  # q/k/v biases run on it
-            return None
+        return f"it runs float32 models, this one is {model.dtype}"
+    for i, layer in enumerate(model.layers):
+        for n in LAYER_MATRICES:
+            if not _on_block_kernel(layer[n]):
+                stored = getattr(layer[n], "stored_types", None)
+                return f"layer {i}'s {n} does not run on the block kernel" + (f" ({'+'.join(stored)})" if stored else "")
+        if any(layer.get(f"{n}_bias") is not None for n in ("o", "gate_up", "down")):
+            return f"layer {i} has biases besides q/k/v"
         if layer.get("qkv_bias") is not None and layer["qkv_bias"].dtype != torch.float32:
-            return None
-    if not available():  # (built here on first use: only for models that qualify)
+            return f"layer {i}'s q/k/v bias is not float32"
+    return None
+
+
+def build(model) -> DecodeStack | None:
+    """The stack for a model `unsupported_reason` accepts, where the kernel builds, else None."""
+    if unsupported_reason(model) is not None or not available():  # (built here on first use: only for models that qualify)
         return None
+    names = LAYER_MATRICES
     mats = [layer[n] for layer in model.layers for n in names]
     kernel = _extension().DecodeStack(
         [t for layer in model.layers for t in (layer["attn_norm"], layer["mlp_norm"])],

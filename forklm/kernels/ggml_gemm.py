@@ -21,7 +21,6 @@ scripts/setup.sh builds). FORKLM_GGML=0 turns these kernels off (such files are 
 from __future__ import annotations
 
 import os
-import zlib
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from forklm.kernels.block_gemm import cpu_supports, _remove_stale_lock
+from forklm.kernels.block_gemm import cpu_supports
 
 _SOURCE = Path(__file__).parent / "csrc" / "ggml_gemm.cpp"
 GGML_SOURCES_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp builds ggml
@@ -53,22 +52,16 @@ def ggml_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def _extension():
-    from torch.utils.cpp_extension import load
+    from forklm.kernels import native
 
     root = ggml_dir()
     lib = root / "lib"
     if not (lib / "libggml-cpu.so").exists():
         raise FileNotFoundError(f"no ggml build at {root} (run scripts/build_ggml.sh, or set FORKLM_GGML_DIR)")
-    name = "forklm_ggml_gemm"
-    _remove_stale_lock(name)
-    return load(
-        name=name,
-        sources=[str(_SOURCE)],
-        extra_include_paths=[str(root / "include")],
-        extra_cflags=["-O3", "-fopenmp", f"-DFORKLM_GGML_DIR_HASH={zlib.crc32(str(root).encode()):#x}"],
-        extra_ldflags=["-fopenmp", f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}"],
-        verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1",
-    )
+    # the ggml folder is in the build's key (its include path and rpath): another ggml, another build
+    return native.load_extension("forklm_ggml_gemm", _SOURCE, ["-O3", "-fopenmp"],
+                                 ["-fopenmp", f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}"],
+                                 [str(root / "include")])
 
 
 @lru_cache(maxsize=1)

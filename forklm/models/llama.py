@@ -16,14 +16,13 @@ import torch.nn.functional as F
 
 from forklm.config import ModelConfig, RopeConfig
 from forklm.errors import ModelFileError, UnsupportedModelError
+from forklm.backend import Backend, head_format
 from forklm.models.quant import (
     BlockLinear,
     BlockQuantized,
     GGMLWeights,
     QuantizedLinear,
     build_matrix,
-    head_format,
-    kernels_pay_off,
     linear,
 )
 
@@ -96,21 +95,6 @@ def _linear_out_in(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     return F.linear(x, w, bias)
 
 
-def weight_layout_for(dtype: torch.dtype, device: torch.device) -> str:
-    """"in_out" (weights stored transposed, x @ W) or "out_in" (as in the checkpoint, F.linear).
-
-    A fixed rule per (device, dtype), not a timing probe: the two layouts round differently, and
-    a probe that picked differently from one process to the next made seeded samples differ
-    between runs. Measured (decode-sized products, 64 x 576 x {960, 3072, 49152}): float32 on
-    CPU is 10-20% faster transposed on AVX-512 Xeon and EPYC (the 49k-column LM head most), 8%
-    slower on an AVX2 EPYC; bfloat16 transposed ran 9x slower on the AVX2 EPYC and equal on
-    AVX-512 ones, so bfloat16 keeps the checkpoint layout. CUDA: the checkpoint layout.
-    """
-    if device.type == "cpu" and dtype == torch.float32:
-        return "in_out"
-    return "out_in"
-
-
 class LlamaModel:
     """Weights plus a forward pass; fused q/k/v and gate/up projections (one GEMM each).
 
@@ -120,20 +104,15 @@ class LlamaModel:
     tokenizer's (Qwen2: 151936 rows for ~151665 tokens) never yields an id that decodes to nothing.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        weight_layout: str | None = None,  # "in_out" | "out_in"; None: weight_layout_for(dtype, device)
-        quantize: str | None = None,  # None | "int8" | "int4" | "gguf" (resolved: quant.resolve_quantize)
-    ) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], backend: Backend) -> None:
         self.config = config
-        self.dtype = dtype
-        self.device = device
+        self.backend = backend  # dtype, device, weight formats and kernels: resolved once (forklm/backend.py)
+        backend.for_model(config.head_dim)
+        self.dtype = dtype = backend.dtype
+        self.device = device = backend.device
         self.num_valid_tokens = config.vocab_size  # LLM lowers it to the tokenizer's size
         c = config
+        quantize = self.quantize = backend.quantize
 
         def raw(name: str) -> torch.Tensor | BlockQuantized:
             if name not in weights:
@@ -146,16 +125,8 @@ class LlamaModel:
                 w = w.dequantize()
             return w.to(device=device, dtype=dtype)
 
-        if weight_layout not in (None, "in_out", "out_in"):
-            raise ValueError(f"weight_layout must be 'in_out', 'out_in' or None, got {weight_layout!r}")
-        if quantize not in (None, "int8", "int4", "gguf"):
-            raise ValueError(f"quantize must be None, 'int8', 'int4' or 'gguf', got {quantize!r}")
-        self.quantize = quantize
-        # quantized kernels where they measure faster (quant.kernels_pay_off); they take [out, in]
-        self.quantized_kernels = quantize is not None and kernels_pay_off(dtype, device)
-        if self.quantized_kernels and weight_layout == "in_out":
-            raise ValueError("quantized weights use the checkpoint layout 'out_in'")
-        self.weight_layout = weight_layout or ("out_in" if self.quantized_kernels else weight_layout_for(dtype, device))
+        self.quantized_kernels = backend.quantized_kernels  # they take [out, in]
+        self.weight_layout = backend.weight_layout
         self._linear = _linear if self.weight_layout == "in_out" else _linear_out_in
         if self.quantized_kernels:
             self._linear = linear  # QuantizedLinear or a dense [out, in] weight
@@ -166,7 +137,7 @@ class LlamaModel:
         def matrix(*names: str, how: str | None = quantize) -> torch.Tensor | QuantizedLinear:  # fused rows, run-time format
             if quantize is None:
                 return transposed(torch.cat([take(n) for n in names], dim=0))
-            w = build_matrix([raw(n) for n in names], how, dtype, device)
+            w = build_matrix([raw(n) for n in names], how, backend)
             return w if isinstance(w, QuantizedLinear) else transposed(w)
 
         tied = not ("lm_head.weight" in weights and not c.tie_word_embeddings)
@@ -175,7 +146,7 @@ class LlamaModel:
         self.embed: torch.Tensor | None = None  # [V, H], when the table is held dense
         if quantize is not None and tied:
             # the table is the quantized head's weights: rows looked up in them (exact), or its dense copy
-            tied_head = build_matrix([raw("model.embed_tokens.weight")], head_format(quantize), dtype, device)
+            tied_head = build_matrix([raw("model.embed_tokens.weight")], head_format(quantize), backend)
             if isinstance(tied_head, QuantizedLinear) and tied_head.dense is None:
                 self._embed_rows = tied_head.dequantize_rows
             else:
@@ -230,6 +201,12 @@ class LlamaModel:
                 self.lm_head = transposed(self.embed) if self.weight_layout == "in_out" else self.embed
         self._decode_stack = None  # every layer in one C++ call (kernels/decode_stack.py), built on first use
         self._decode_stack_checked = False
+        if backend.block_kernel and backend.decode_kernel == "cpu":
+            from forklm.kernels import decode_stack
+
+            why = decode_stack.unsupported_reason(self)
+            if why is not None:
+                backend.fallbacks.append(f"decode steps run layer by layer, not in one C++ call (the decode stack): {why}")
         self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
         self._rope_len = 0  # positions the cos/sin tables cover (see _rope)
         self._cos = self._sin_signed = torch.empty(0)

@@ -1,5 +1,7 @@
 """Weights kept quantized at run time: int8 per-output-channel and int4 group-wise weight-only
-formats over PyTorch's CPU kernels, and GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks kept as stored.
+formats over PyTorch's CPU kernels, and a GGUF file's blocks kept as stored: Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K on forklm's block kernel (`BlockLinear`), every other type ggml runs
+on ggml's dot products (`GGMLLinear`).
 
 Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
     int8   w = q · s[out]                        q int8 in [-127, 127], s per output channel;
@@ -7,21 +9,16 @@ Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
     int4   w = (q − 8) · scale[g, out] + zero[g, out]   q in 0..15, groups of 32 along `in`;
            `torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros [in/32, out, 2])`
            (the packed layout from `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], 2)`).
-    GGUF Q4_1 (w = d·q + m per block of 32, q in 0..15) is int4 with scale = d and zero = m + 8d:
+    Where the block kernel does not run (a bfloat16 model, no AVX2), quantize="gguf" maps
+    GGUF Q4_1 (w = d·q + m per block of 32, q in 0..15) to int4 with scale = d and zero = m + 8d:
            the same q, no re-rounding of the weights (the test checks the dequantized weights equal
            the float loader's bit for bit where the scales are held in float32).
     GGUF Q8_0 (w = d·q per block of 32, q int8) has no exact PyTorch kernel (the int8 kernel scales
            per output channel only): it is re-quantized to int8 per channel (lossy, reported in the
            README); a tied embedding looks its rows up in the same re-quantized weights.
 
-Both kernels want scales in the activation dtype. Measured on a 2-core AVX512-BF16 EPYC (forklm/
-bench/quant_kernels.py, README "Quantized weights"): with bfloat16 activations they beat a dense
-bfloat16 product for skinny steps (T = 1: 1.9-4.2x), tie at T = 8 and lose from T = 12-16 on (2x
-at T = 64; the int4 LM head wins up to T = 12);
-with float32 activations they are 5-50x slower than a dense float32 product at every T. Hence the
-fixed rule: a `QuantizedLinear` runs the kernel for steps of at most `max_rows` rows and a dense copy
-(the same dequantized weights in the model dtype) above; on float32 the quantized weights are
-dequantized at load and run dense (the accuracy of the quantized weights, no speed or memory gain).
+Which format a weight takes, and up to how many rows a kernel runs, is the backend's decision
+(forklm/backend.py: `build_matrix` receives the model's `Backend`); this module holds the formats.
 """
 
 from __future__ import annotations
@@ -33,126 +30,18 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from forklm.backend import (
+    Backend,
+    block_dense_dtype,
+    block_kernel_available,
+    block_kernel_max_rows,
+    kernel_dtype,
+    kernel_max_rows,
+)
 from forklm.errors import InvalidArgumentError, UnsupportedModelError
 from forklm.kernels.ggml_gemm import GGMLWeights
 
 GROUP_SIZE = 32  # int4 group along `in`; GGUF Q4_1's block, and no slower than 64 on this CPU
-QUANTIZE_CHOICES = ("int8", "int4", "gguf", "auto")
-
-# Rows per step at or below which the quantized kernel runs; above, the dense copy (bfloat16
-# activations; measured, see module docstring and README). The 49152-row LM head stays on the
-# kernel longer: it is the one product bound by weight bytes well past a few rows.
-KERNEL_MAX_ROWS = {"int4": 4, "int8": 4}
-KERNEL_MAX_ROWS_WIDE = {"int4": 12, "int8": 4}  # out_features >= WIDE_OUT (the LM head)
-# A float32 model (CPUs without native bfloat16): the kernels take its activations rounded to
-# bfloat16, and the dense copy is float32, much slower per row than bfloat16 on skinny products.
-# Measured end to end on a 2-core AVX2 EPYC (decode steps of SmolLM2-135M, README "Quantized
-# weights"): a float32 step streams 425 MB of layer weights, so the kernels' 8x fewer bytes win up to
-# T = 16 rows (n = 8: 59 vs 86 ms a step, n = 16: 97 vs 135) and lose from 32 (187 vs 170); the
-# LM head's int4 kernel still wins at T = 64 (260 vs 292 ms). A product timed alone, its weights hot
-# in cache (bench/results/quant_kernels_cpu_avx2.json), favours the dense copy from T = 8.
-KERNEL_MAX_ROWS_F32 = {"int4": 16, "int8": 16}
-KERNEL_MAX_ROWS_F32_WIDE = {"int4": 64, "int8": 16}
-WIDE_OUT = 16384
-# forklm's block kernel (float32 models on AVX2 CPUs, GGUF Q4_1 / Q8_0 blocks): rows per step at or
-# below which it runs, above which the dense copy. Measured by `python -m
-# forklm.bench.block_kernel_crossover` (a step's 120 layer products and the LM head, kernel against
-# dense copy, interleaved rounds). Dense float32 copies (CPUs without native bfloat16; measured with
-# the AVX2 builds on a 2-core AVX-512 EPYC, FORKLM_CPU_ISA=avx2,
-# bench/results/block_kernel_crossover_avx2_builds.json): the kernel is faster at every count up to
-# 96 rows (layers 122 against 138 ms there, LM head 39 against 48).
-BLOCK_KERNEL_MAX_ROWS = 96
-BLOCK_KERNEL_MAX_ROWS_WIDE = 96
-# On CPUs with native bfloat16 (AVX512-BF16 / AMX) the dense copy is bfloat16 (its products 2-3x a
-# float32 one's): the kernel pays off up to fewer rows (2-core AVX-512 EPYC,
-# bench/results/block_kernel_crossover_cpu_avx512.json: layers 28.3 against 31.1 ms at 24 rows,
-# 36.6 against 35.4 at 32; the LM head even at 16 rows, 6.2 against 6.0, slower from 24).
-BLOCK_KERNEL_MAX_ROWS_BF16 = 24
-BLOCK_KERNEL_MAX_ROWS_BF16_WIDE = 16
-
-
-def block_dense_dtype() -> torch.dtype:
-    """The dtype of a `BlockLinear`'s dense copy (a fixed rule of the CPU's features): bfloat16 where
-    the CPU multiplies it natively, else float32 (emulated bfloat16 products are 5-10x slower)."""
-    from forklm.device import cpu_has_native_bf16
-
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def block_kernel_max_rows(out_features: int, dense_dtype: torch.dtype) -> int:
-    """Rows per step at or below which a `BlockLinear` runs the block kernel (a fixed rule, measured)."""
-    wide = out_features >= WIDE_OUT
-    if dense_dtype == torch.bfloat16:
-        return BLOCK_KERNEL_MAX_ROWS_BF16_WIDE if wide else BLOCK_KERNEL_MAX_ROWS_BF16
-    return BLOCK_KERNEL_MAX_ROWS_WIDE if wide else BLOCK_KERNEL_MAX_ROWS
-
-
-def kernel_max_rows(kind: str, out_features: int, dense_dtype: torch.dtype) -> int:
-    """Rows per step at or below which a product runs the quantized kernel (a fixed rule, measured:
-    README "Quantized weights")."""
-    wide = out_features >= WIDE_OUT
-    if dense_dtype == torch.float32:
-        return (KERNEL_MAX_ROWS_F32_WIDE if wide else KERNEL_MAX_ROWS_F32)[kind]
-    return (KERNEL_MAX_ROWS_WIDE if wide else KERNEL_MAX_ROWS)[kind]
-
-
-def resolve_quantize(quantize: str | None, dtype: torch.dtype, device: torch.device,
-                     has_gguf_blocks: bool | None = None) -> str | None:
-    """The quantization to apply: None, "int8", "int4" or "gguf" (GGUF blocks as stored).
-
-    "auto": a fixed rule of the device and dtype (itself a rule of the CPU's features, see
-    `forklm.device.resolve_dtype`), never a timing probe: "gguf" on CPU (bfloat16 or float32 models)
-    when the file stores quantized blocks (the kernels measure faster there), else None.
-    has_gguf_blocks None: not known yet (the caller loads the file with its blocks kept).
-    """
-    if quantize is None or quantize is False:
-        return None
-    if not isinstance(quantize, str) or quantize.lower() not in QUANTIZE_CHOICES + ("none",):
-        raise InvalidArgumentError(
-            f"quantize must be None, 'none', 'auto', 'int8', 'int4' or 'gguf' (as stored in a GGUF file), got {quantize!r}"
-        )
-    q = quantize.lower()
-    if q == "none":
-        return None
-    if q == "auto":
-        if not kernels_pay_off(dtype, device) or not kernels_available():
-            return None
-        if has_gguf_blocks is not False and not block_kernel_available():
-            import warnings
-
-            warnings.warn("forklm: a GGUF file's blocks run on forklm's x86 kernels (AVX2, FMA, F16C), which do "
-                          "not run here; quantize='auto' loads it dequantized to float", RuntimeWarning, stacklevel=3)
-            return None
-        return "gguf" if has_gguf_blocks is not False else None
-    if device.type != "cpu":
-        raise InvalidArgumentError(
-            f"quantize={quantize!r} uses PyTorch's CPU kernels and is supported on device 'cpu' only, got {device}"
-        )
-    if not kernels_available():
-        raise InvalidArgumentError(
-            f"quantize={quantize!r} needs PyTorch's int8/int4 CPU kernels (PyTorch 2.6 or newer; tested with 2.13.0), "
-            f"which this PyTorch {torch.__version__} lacks"
-        )
-    if q == "gguf" and has_gguf_blocks is False:
-        raise InvalidArgumentError("quantize='gguf' keeps a GGUF file's quantized blocks: give a .gguf model")
-    return q
-
-
-def float32_for_block_kernel(quantize: str | None, device: torch.device, has_gguf_blocks: bool) -> bool:
-    """Whether `dtype="auto"` is float32 because the weights run on forklm's block kernel (a fixed
-    rule of the CPU's features and the weights' format): GGUF blocks kept ("gguf") or "int4" on an
-    x86 CPU where the kernel builds. Its activations are float32 whatever the dtype, and a bfloat16
-    model would run PyTorch's int4 kernel instead, measured 1.6-1.9x slower a decode step at n <= 8
-    on a 2-core AVX-512 + AVX512-BF16 EPYC (README "Quantized weights"); on CPUs with native
-    bfloat16 the dense copies for steps of many rows stay bfloat16 (`block_dense_dtype`)."""
-    runs_blocks = quantize == "int4" or (quantize == "gguf" and has_gguf_blocks)
-    return device.type == "cpu" and runs_blocks and block_kernel_available()
-
-
-def kernels_available() -> bool:
-    ops = torch.ops.aten
-    return all(hasattr(ops, name) for name in
-               ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
 
 
 # ----------------------------------------------------------------------------- GGUF blocks as stored
@@ -179,12 +68,9 @@ class BlockQuantized:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], computed as gguf's numpy dequantization does ((d·q) + m in float32)."""
-        n, k = self.q.shape
-        q = self.q.float().view(n, self.d.shape[1], -1)  # blocks of 32 (Q6_K: 16) values sharing a scale
-        w = q * self.d.unsqueeze(-1)
-        if self.m is not None:
-            w = w + self.m.unsqueeze(-1)
-        return w.view(n, k)
+        from forklm.kernels.block_gemm import dequantize_values
+
+        return dequantize_values(self.q, self.d, self.m)
 
     def rows(self, index: torch.Tensor) -> BlockQuantized:
         return BlockQuantized(self.kind, self.q[index], self.d[index], None if self.m is None else self.m[index])
@@ -579,15 +465,19 @@ def stored_block_weights(parts: list[GGMLWeights]):
                                    None if qh is None else block_gemm.arrange_high_bits(qh))
 
 
-def stored_matrix(parts: list[GGMLWeights], dtype: torch.dtype, device: torch.device):
+def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None):
     """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): Q4_0 / Q4_1 /
     Q5_0 / Q5_1 parts, Q4_K / Q5_K parts or Q8_0 parts on forklm's block kernel (its layouts,
     repacked once, `block_kernel_kind`), any other mix on ggml's kernels over the file's bytes. A
-    type neither runs is refused by name, never densified."""
+    type neither runs is refused by name, never densified. block_kernel: whether the block kernel runs
+    here (the backend's `block_kernel`; None: whether it is built)."""
     from forklm.kernels import ggml_gemm
 
+    if block_kernel is None:
+        block_kernel = block_kernel_available()
+
     kinds = {p.type_name for p in parts}
-    if all(block_kernel_kind([p.type_name]) is not None for p in parts) and block_kernel_available():
+    if block_kernel and all(block_kernel_kind([p.type_name]) is not None for p in parts):
         runs: list[list[GGMLWeights]] = []  # consecutive parts that share one layout
         for p in parts:
             if runs and block_kernel_kind([q.type_name for q in runs[-1]] + [p.type_name]) is not None:
@@ -718,15 +608,18 @@ def _int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch
     return QuantizedLinear("int4", pack_int4(q), sz, n, k, dtype, values=values, **kw)
 
 
-def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dtype, **kw) -> QuantizedLinear:
+def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dtype, block_kernel: bool = False,
+                    **kw) -> QuantizedLinear:
     """One weight [out, in] (float or GGUF blocks) in the run-time format `how` asks for.
 
-    how "int8" / "int4": from the float weights (GGUF blocks are dequantized first).
+    how "int8" / "int4": from the float weights (GGUF blocks are dequantized first); where the block
+    kernel runs (`block_kernel`), as Q8_0 / Q4_1 blocks on it (resident once, no dense copy), else
+    PyTorch's int8 (per output channel) / int4 kernels with a dense copy for many rows.
     how "gguf": Q4_1 blocks as int4 with their own q; Q8_0 re-quantized to int8 per channel (lossy);
     a float tensor in a GGUF file stays float (returned as is by the caller, not here).
     """
     if isinstance(w, BlockQuantized):
-        if how == "gguf" and _on_block_kernel(kw):
+        if how == "gguf" and block_kernel:
             return BlockLinear(w.to_block_weights())
         if how == "gguf":
             if w.kind == "q4_1":
@@ -734,18 +627,28 @@ def quantize_weight(w: torch.Tensor | BlockQuantized, how: str, dtype: torch.dty
             return int8_from_float(w.dequantize(), dtype, **kw)
         w = w.dequantize()
     if how == "int8":
+        if w.shape[1] % GROUP_SIZE == 0 and block_kernel:
+            return BlockLinear(q8_0_from_float(w).to_block_weights())
         return int8_from_float(w, dtype, **kw)
     if how == "int4":
-        if w.shape[1] % GROUP_SIZE == 0 and _on_block_kernel(kw):
+        if w.shape[1] % GROUP_SIZE == 0 and block_kernel:
             return BlockLinear(q4_1_from_float(w).to_block_weights())
         return int4_from_float(w, dtype, **kw)
     raise InvalidArgumentError(f"cannot quantize a float weight as {how!r}")
 
 
-def _on_block_kernel(kw: dict) -> bool:
-    """Whether `quantize_weight` (called with these keywords) builds a `BlockLinear`: a float32 model
-    and the block kernel available."""
-    return kw.get("dense_dtype") == torch.float32 and block_kernel_available()
+def q8_0_from_float(w: torch.Tensor) -> BlockQuantized:
+    """A float weight [out, in] as GGUF Q8_0 blocks (what `quantize="int8"` becomes on forklm's block
+    kernel): per block of 32 along `in`, d = max|w| / 127 rounded to float16, then q = round(w / d) in
+    -127..127 against the rounded d (d = 0: an all-zero block, q = 0)."""
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise InvalidArgumentError(f"Q8_0 blocks need in_features divisible by {GROUP_SIZE}, got [{n}, {k}]")
+    g = w.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    d = (g.abs().amax(-1) / 127).half().float()
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(g / safe.unsqueeze(-1)).clamp(-127, 127)
+    return BlockQuantized("q8_0", q.to(torch.int8).view(n, k), d, None)
 
 
 def q4_1_from_float(w: torch.Tensor) -> BlockQuantized:
@@ -764,44 +667,16 @@ def q4_1_from_float(w: torch.Tensor) -> BlockQuantized:
     return BlockQuantized("q4_1", q.to(torch.uint8).view(n, k), d, m)
 
 
-def head_format(how: str | None) -> str | None:
-    """The embedding / LM head's format under `how`: int8 per channel for "int4" too. Measured on
-    SmolLM2-135M (forklm/bench/quant_accuracy.py): with the tied embedding/LM head in int4 as well,
-    perplexity rose 7.3% over float32 and teacher-forced greedy agreement fell to 91.1%; GGUF
-    files make the same choice (this one stores its layers Q4_1 and token_embd Q8_0)."""
-    return "int8" if how == "int4" else how
-
-
-def kernels_pay_off(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether quantized weights run on the kernels (else they are dequantized at load): on CPU, for
-    bfloat16 and float32 models alike (a float32 model's activations are rounded to bfloat16 for the
-    kernel: the kernels' float32 variants measured 5-50x slower than a dense float32 product)."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-
-
-def block_kernel_available() -> bool:
-    """Whether GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks run on forklm's own kernel: x86-64 with AVX2, FMA and F16C
-    (a fixed rule of the CPU's features) and the kernel built (on first use; see
-    `forklm.kernels.block_gemm`). Used for float32 models (CPUs without native bfloat16); bfloat16
-    models keep PyTorch's int4 kernel, measured on those CPUs."""
-    from forklm.kernels import block_gemm
-
-    return block_gemm.available()
-
-
-def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The activation (and scale) dtype the kernels run in for a model of `dtype`."""
-    return torch.bfloat16
-
-
-def build_matrix(parts: list, how: str, dtype: torch.dtype, device: torch.device):
-    """Weights [out_i, in] (float tensors or GGUF blocks) fused along `out`, as the model runs them:
-    a QuantizedLinear where `kernels_pay_off`, else a dense [out, in] tensor in `dtype` holding the
-    quantized weights' values (for "gguf": the blocks' exact float values). With "gguf", float
-    tensors of the file stay float (dense)."""
+def build_matrix(parts: list, how: str, backend: Backend):
+    """Weights [out_i, in] (float tensors or GGUF blocks) fused along `out`, as the backend runs them:
+    a QuantizedLinear where its quantized kernels run (the block kernel's `BlockLinear` where
+    `backend.block_kernel`), else a dense [out, in] tensor in its dtype holding the quantized weights'
+    values (for "gguf": the blocks' exact float values). With "gguf", float tensors of the file stay
+    float (dense)."""
+    dtype, device = backend.dtype, backend.device
     if any(isinstance(p, GGMLWeights) for p in parts):
-        if how == "gguf" and kernels_pay_off(dtype, device):
-            return stored_matrix(parts, dtype, device)
+        if how == "gguf" and backend.quantized_kernels:
+            return stored_matrix(parts, backend.block_kernel)
         parts = [p.dequantize() if isinstance(p, GGMLWeights) else p for p in parts]
     if all(isinstance(p, BlockQuantized) for p in parts):
         w = BlockQuantized.cat(parts) if len(parts) > 1 else parts[0]
@@ -809,13 +684,13 @@ def build_matrix(parts: list, how: str, dtype: torch.dtype, device: torch.device
         w = torch.cat([p.dequantize() if isinstance(p, BlockQuantized) else p.float() for p in parts], dim=0)
     if how == "gguf" and not isinstance(w, BlockQuantized):
         return w.to(device=device, dtype=dtype)
-    if not kernels_pay_off(dtype, device):
+    if not backend.quantized_kernels:
         if how == "gguf":
             values = w.dequantize()
         else:
             values = quantize_weight(w, how, torch.float32, keep_dense=False).dequantize()
         return values.to(device=device, dtype=dtype)
-    return quantize_weight(w, how, kernel_dtype(dtype), dense_dtype=dtype)
+    return quantize_weight(w, how, kernel_dtype(dtype), block_kernel=backend.block_kernel, dense_dtype=dtype)
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -102,8 +102,9 @@ def random_weights(
 
 
 def random_model(shape: str | Path | dict, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
+    from forklm.backend import Backend
     from forklm.models.llama import LlamaModel
 
     config = random_config(shape)
     device = torch.device(device)
-    return LlamaModel(config, random_weights(config, dtype, device, seed), dtype, device)
+    return LlamaModel(config, random_weights(config, dtype, device, seed), Backend.exact(dtype, device))

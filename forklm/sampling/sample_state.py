@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from forklm.errors import ModelOutputError
 from forklm.outputs import Sample
 from forklm.sampling.constraints import SampleMatcher, masked_logits
 from forklm.sampling.params import SamplingParams
@@ -158,6 +159,16 @@ def jump_forward(st: SampleState, params: SamplingParams) -> list[int]:
         return []
     st.ahead = st.matcher.take_forced(min(MAX_JUMP_TOKENS, params.max_tokens - len(st.token_ids)))
     return st.ahead
+
+
+def check_finite(st: SampleState) -> None:
+    """ModelOutputError unless the sample's last token has a number for its log-prob: NaN means its
+    row of logits held NaN / +inf or only -inf (a model gone wrong), from which no token is drawn (the
+    C++ sampler and argmax would each pick some token; the request stops with this error instead)."""
+    lp = st.logprobs[-1]
+    if lp != lp:
+        raise ModelOutputError(f"the model's logits for sample {st.index} at generated token {len(st.token_ids)} are "
+                               "not finite (NaN, +inf or only -inf): no token can be drawn; the request stops")
 
 
 def accept_ahead(st: SampleState, logprob: float, top: list[tuple[int, float]] | None) -> None:

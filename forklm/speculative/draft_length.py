@@ -74,7 +74,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class CostRule:
     """The measured rule: the k that maximizes expected tokens per second of step time."""
 
-    # Steps of more decode rows than this never draft. Measured (bench-spec, README "Speculative
+    # Steps of more decode rows than this never draft. Measured (`python -m bench spec`, README "Speculative
     # sampling"): once drafts are accepted raggedly, a request's samples stand at different
     # lengths and the planner reads their tails row by row instead of as one strided view of the
     # lane group, a lasting cost the per-step clock cannot see (n = 16, T = 0.8: 0.80x after
@@ -83,7 +83,7 @@ class CostRule:
     # Only a request's lone running sample drafts: the samples of one request decode as one lane
     # group whose tails are one strided read while they have equal lengths; ragged acceptance
     # breaks that for the rest of the generation (tails read row by row), a cost no per-step
-    # clock sees. bench-spec at n = 4, T = 0.8: 0.90x (m_c 256) and 0.84x (m_c 2048) without it.
+    # clock sees. `python -m bench spec` at n = 4, T = 0.8: 0.90x (m_c 256) and 0.84x (m_c 2048) without it.
     # Since ragged tails are one masked strided read (attention/paged.py), without both rules:
     # n = 4, T = 0.8 1.05x / 0.94x, n = 16 0.93x / 0.88x (spec_cpu_float32_avx2_ragged.json): kept.
     solo_only = True

@@ -34,12 +34,14 @@ from typing import Any
 import torch
 
 from forklm.attention.paged import StepPlanner
+from forklm.backend import Backend
 from forklm.cache.paged_kv import PagedKVCache
 from forklm.engine.model_runner import ModelRunner
 from forklm.engine.request import Sequence
 from forklm.engine.scheduler import ScheduledBatch
 from forklm.errors import InvalidArgumentError
 from forklm.models.llama import LlamaModel
+from forklm.models.loading import load_model
 from forklm.sampling.sampler import nucleus_mask
 from forklm.sampling.seeds import counter_uniforms, splitmix64
 
@@ -48,25 +50,23 @@ from forklm.sampling.seeds import counter_uniforms, splitmix64
 DRAFT_STREAM, ACCEPT_STREAM, RECOVER_STREAM = 0xD1AF7, 0xACCE97, 0x2EC0BE2
 
 
-def load_draft_model(draft: Any, dtype: torch.dtype, device: torch.device, quantize: str | None = "auto"):
+def load_draft_model(draft: Any, target: Backend, quantize: str | None = "auto"):
     """(LlamaModel, tokenizer or None) of a `draft_model` value: a loaded LLM or LlamaModel, or
-    anything `LLM()` loads (loaded here with the target's dtype and device)."""
-    from forklm.llm import LLM  # the LLM front end imports the engine: import it late
-
+    anything `LLM()` loads (loaded here on the target's device and dtype, `quantize` as asked of it)."""
     if isinstance(draft, LlamaModel):
         model, tokenizer = draft, None
-    elif isinstance(draft, LLM):
+    elif isinstance(getattr(draft, "model", None), LlamaModel):  # an LLM
         model, tokenizer = draft.model, draft.tokenizer
     elif isinstance(draft, str):
-        loaded = LLM(draft, dtype=dtype, device=device, quantize=quantize)
+        loaded = load_model(draft, dtype=target.dtype, device=target.device, quantize=quantize)
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
         raise InvalidArgumentError(
             f"speculative draft_model must be a model path or name, an LLM or a LlamaModel, got {type(draft).__name__}")
-    if model.device != device or model.dtype != dtype:
+    if model.device != target.device or model.dtype != target.dtype:
         raise InvalidArgumentError(
-            f"speculative draft_model runs on {model.device} in {model.dtype}, the target on {device} in {dtype}: "
-            "load it with the target's device and dtype")
+            f"speculative draft_model runs on {model.device} in {model.dtype}, the target on {target.device} in "
+            f"{target.dtype}: load it with the target's device and dtype")
     return model, tokenizer
 
 

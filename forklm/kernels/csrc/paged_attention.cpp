@@ -362,7 +362,8 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
                     q.scalar_type() == torch::kFloat32 && q.is_cpu(), "q must be float32 [rows, h, D]");
   }
   torch::Tensor o = torch::empty({num_rows, h * D}, torch::kFloat32);
-  if (num_rows == 0 || I == 0) return o;
+  if (num_rows == 0) return o;
+  TORCH_CHECK(I > 0, "the plan has ", num_rows, " rows and no item: every row must read at least one");
 
   // units of work: (item, KV head, chunk of keys)
   std::vector<Unit> units;
