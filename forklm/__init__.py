@@ -4,13 +4,14 @@ from forklm.errors import (
     ForkLMError,
     InvalidArgumentError,
     ModelFileError,
+    ModelOutputError,
     OutOfMemoryError,
     UnsupportedModelError,
 )
 from forklm.engine.engine import Engine, EngineConfig
 from forklm.llm import LLM, Request
 from forklm.outputs import Sample, SampleOutput, Stats
-from forklm.sampling.params import SamplingParams
+from forklm.sampling.params import SamplingOptions, SamplingParams
 
 __all__ = [
     "LLM",
@@ -19,11 +20,13 @@ __all__ = [
     "Request",
     "Sample",
     "SampleOutput",
+    "SamplingOptions",
     "SamplingParams",
     "Stats",
     "ForkLMError",
     "InvalidArgumentError",
     "ModelFileError",
+    "ModelOutputError",
     "OutOfMemoryError",
     "UnsupportedModelError",
 ]

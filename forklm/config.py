@@ -68,11 +68,6 @@ class ModelConfig:
         """Whether the attention output projection has a bias: Llama's attention_bias covers it, Qwen2's not."""
         return self.attention_bias and self.architecture == "llama"
 
-    @property
-    def group_size(self) -> int:
-        """p = h / g: query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
-
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """Bytes of K and V one token occupies over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes

@@ -15,37 +15,18 @@ from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.loading import load_model
 from forklm.models.registry import DEFAULT_MODEL
 from forklm.outputs import SampleOutput
-from forklm.sampling.constraints import make_constraint, token_constraints
-from forklm.sampling.params import SamplingParams
+from forklm.sampling.constraints import token_constraints
+from forklm.sampling.params import OPTION_NAMES, SamplingOptions, SamplingParams
 from forklm.speculative.config import SpeculativeConfig
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
-@dataclass
-class Request:
-    """One request for `LLM.generate`: `LLM.sample`'s arguments, the prompt included."""
+@dataclass(frozen=True)
+class Request(SamplingOptions):
+    """One request for `LLM.generate`: a prompt and `SamplingOptions` (`LLM.sample`'s keywords)."""
 
     prompt: Prompt
-    n: int = 1
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    top_logprobs: int = 0  # record this many most likely alternatives per token (0..20)
-    # at most one constraint, which every sample's text then matches (see sampling/constraints.py):
-    json_schema: dict | str | None = None  # a JSON schema (dict or its JSON text)
-    regex: str | None = None  # a regular expression the whole text matches
-    grammar: str | None = None  # a Lark grammar (llguidance's dialect; GBNF too)
-    choice: Sequence[str] | None = None  # the text is one of these strings
-    jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
-    speculative: bool = True  # may speculate where the engine does (False: one token per step)
-    time_budget_s: float | None = None  # seconds: then unfinished samples end with finish_reason "time"
 
     @classmethod
     def from_any(cls, spec: Any, position: int = 0) -> Request:
@@ -53,33 +34,13 @@ class Request:
             return spec
         if not isinstance(spec, dict):
             raise InvalidArgumentError(f"requests[{position}] must be a dict or a forklm.Request, got {type(spec).__name__}")
-        allowed = [f.name for f in dataclasses.fields(cls)]
+        allowed = ["prompt", *OPTION_NAMES]
         unknown = sorted(set(spec) - set(allowed))
         if unknown:
             raise InvalidArgumentError(f"requests[{position}] has unknown keys {unknown}; allowed: {allowed}")
         if "prompt" not in spec:
             raise InvalidArgumentError(f"requests[{position}] has no 'prompt'")
         return cls(**spec)
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(
-            n=self.n,
-            max_tokens=self.max_tokens,
-            min_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else (self.stop or ())),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            top_logprobs=self.top_logprobs,
-            constraint=make_constraint(json_schema=self.json_schema, regex=self.regex, grammar=self.grammar,
-                                       choice=self.choice),
-            jump_forward=self.jump_forward,
-            speculative=self.speculative,
-            time_budget_s=self.time_budget_s,
-        )
 
 
 def _ids_as_text(ids: Sequence[int]) -> str:
@@ -173,30 +134,8 @@ class LLM:
         raise InvalidArgumentError("prompt list must hold only token ids (int) or only chat messages (dict)")
 
     # ------------------------------------------------------------------ sampling
-    def sample(
-        self,
-        prompt: Prompt,
-        n: int = 1,
-        *,
-        max_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        min_tokens: int = 0,
-        ignore_eos: bool = False,
-        top_logprobs: int = 0,
-        attention: str = "auto",
-        json_schema: dict | str | None = None,
-        regex: str | None = None,
-        grammar: str | None = None,
-        choice: Sequence[str] | None = None,
-        jump_forward: bool = True,
-        speculative: SpeculativeConfig | dict | str | bool | None = None,
-        time_budget_s: float | None = None,
-    ) -> SampleOutput:
+    def sample(self, prompt: Prompt, n: int = 1, *, attention: str = "auto",
+               speculative: SpeculativeConfig | dict | str | bool | None = None, **options: Any) -> SampleOutput:
         """Draws n samples of one prompt on the engine: the prompt is prefilled once (or found in
         the prefix cache), its KV shared by the n samples and read once per decode step.
 
@@ -211,14 +150,19 @@ class LLM:
         a method name / dict / `SpeculativeConfig` (this call runs on an engine speculating so).
         time_budget_s: seconds from submission; then every finished sample is returned as is and
         the unfinished ones end with finish_reason "time" (their tokens so far). None: no limit.
+        options: the fields of `forklm.SamplingOptions` (max_tokens, temperature, top_p, top_k, seed,
+        stop, stop_token_ids, min_tokens, ignore_eos, top_logprobs, json_schema, regex, grammar,
+        choice, jump_forward, time_budget_s).
         """
         spec = None if speculative is None or isinstance(speculative, bool) else SpeculativeConfig.from_any(speculative)
         if spec is not None and spec.method == "draft" and spec != self.speculative:
             spec = self._load_draft(spec, self.quantize)
-        req = Request(prompt, n, max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, min_tokens, ignore_eos,
-                      top_logprobs, json_schema, regex, grammar, choice, jump_forward, speculative is not False,
-                      time_budget_s)
-        params = dataclasses.replace(req.params(), attention=attention)
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            allowed = ", ".join(name for name in OPTION_NAMES if name not in ("n", "speculative"))
+            raise InvalidArgumentError(f"sample() got unknown keyword arguments {unknown}; allowed: n, attention, "
+                                       f"speculative, {allowed}")
+        params = SamplingOptions(n=n, speculative=speculative is not False, **options).params(attention=attention)
         prompt_ids = self.prompt_token_ids(prompt)
         if spec is not None and spec != self.speculative:
             engine = self._engine_for(attention, spec)
@@ -321,3 +265,21 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({str(self.source)!r}, dtype={self.dtype}, device={self.device}, quantize={self.quantize!r})"
+
+
+def _sample_signature():
+    """`LLM.sample`'s signature with its `**options` spelled out from `SamplingOptions` (for help() and
+    editors): the options are declared once, there."""
+    import inspect
+
+    base = inspect.signature(LLM.sample)
+    named = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in named}
+    for f in dataclasses.fields(SamplingOptions):
+        if f.name not in taken:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            named.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.type))
+    return base.replace(parameters=named)
+
+
+LLM.sample.__signature__ = _sample_signature()

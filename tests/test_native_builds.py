@@ -40,6 +40,11 @@ def test_the_key_follows_sources_headers_flags_and_torch(tmp_path, monkeypatch):
     header.write_text("#define A 1\n")
     assert native.build_key(src, ["-O3", "-mavx512f"], [], []) != key  # flags (the ISA variant)
     assert native.build_key(src, ["-O3"], [], ["/other/ggml/include"]) != key
+    other = tmp_path / "clone"
+    other.mkdir()
+    (other / "k.cpp").write_text(src.read_text())
+    (other / "k.h").write_text(header.read_text())
+    assert native.build_key(other / "k.cpp", ["-O3"], [], []) != key  # another checkout: its own build
     monkeypatch.setattr(torch, "__version__", "2.4.0+cpu")
     assert native.build_key(src, ["-O3"], [], []) != key  # another torch
 

@@ -169,11 +169,6 @@ class KVManager:
             self._copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
         return Sequence(req, tokens, shared + new, P, st)
 
-    def ensure_slot(self, seq: Sequence, margin: int) -> bool:
-        """Gives `seq` a slot for its next token (a lane ahead while blocks are plentiful, else one
-        block, extending its last run in place where it can); False if no block can be had."""
-        return self.ensure_slots(seq, 1, margin)
-
     def ensure_slots(self, seq: Sequence, count: int, margin: int) -> bool:
         """Slots for `seq`'s next `count` tokens (a multi-token extend: jump-forward, later draft
         verification): a lane ahead that covers them while blocks are plentiful, else block by

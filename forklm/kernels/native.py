@@ -2,8 +2,8 @@
 
 Each build lives in forklm's own cache directory (FORKLM_CACHE_DIR, else $XDG_CACHE_HOME/forklm, else
 ~/.cache/forklm), in a folder named by a hash of everything the binary depends on: the source and
-every file beside it (the headers it includes), the compiler flags, torch's version and Python's.
-Two checkouts of different versions therefore never rebuild each other's kernels, and a process
+every file beside it (the headers it includes), its path, the compiler flags, torch's version and
+Python's. Two checkouts therefore never rebuild each other's kernels, and a process
 never imports a binary built from other sources. A build that fails leaves its reason in that
 folder (`FAILED`): later processes report it without retrying (delete the folder, or set
 FORKLM_REBUILD=1, to try again), and each process says it once, as a warning naming the kernel.
@@ -42,7 +42,9 @@ def build_key(source: Path, cflags: list[str], ldflags: list[str], include_paths
     h = hashlib.sha256()
     for f in sorted(source.parent.glob("*.[ch]*")):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    for part in (source.name, *cflags, "|", *ldflags, "|", *include_paths, torch.__version__, sys.version,
+    # the source's absolute path too: torch's build file names it, so two checkouts sharing one folder would
+    # rewrite it in turn and rebuild each other's binaries
+    for part in (str(source.resolve()), *cflags, "|", *ldflags, "|", *include_paths, torch.__version__, sys.version,
                  platform.machine()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]

@@ -3,44 +3,60 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 from forklm.errors import InvalidArgumentError
-from forklm.sampling.constraints import Constraint
+from forklm.sampling.constraints import Constraint, make_constraint
 from forklm.sampling.sampler import GREEDY_BELOW
 
 MAX_TOP_LOGPROBS = 20
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """A request's sampling surface, declared once: `LLM.sample`'s keywords, `Request`'s fields, the
+    CLI's and the server's mapping all derive from these fields. Validated on construction, each
+    error naming its argument."""
+
     n: int = 1
     max_tokens: int = 64
-    min_tokens: int = 0
+    min_tokens: int = 0  # tokens per sample before EOS / a stop may end it
     temperature: float = 1.0  # 0 = greedy (so is anything below sampler.GREEDY_BELOW = 1e-5)
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: str | tuple[str, ...] = ()  # a string or a list of strings (held as a tuple)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    top_logprobs: int = 0  # alternatives recorded per token (the most likely, by the model's log-softmax)
-    attention: str = "auto"  # "auto" | "bifurcated" | "standard"
-    constraint: Constraint | None = None  # what every sample's text must match (`constraints.make_constraint`)
-    jump_forward: bool = True  # a constrained sample appends the runs its grammar forces in one step each
-    speculative: bool = True  # may speculate where the engine does (False: this request decodes one token per step)
-    # seconds from submission after which unfinished samples end with finish_reason "time" (None: no limit)
-    time_budget_s: float | None = None
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
+    top_logprobs: int = 0  # alternatives recorded per token (the most likely, by the model's log-softmax), 0..20
+    # at most one constraint, which every sample's text then matches (see sampling/constraints.py):
+    # (compared and hashed through the compiled `SamplingParams.constraint`, not as given)
+    json_schema: dict | str | None = field(default=None, compare=False)  # a JSON schema (dict or its JSON text)
+    regex: str | None = field(default=None, compare=False)  # a regular expression the whole text matches
+    grammar: str | None = field(default=None, compare=False)  # a Lark grammar (llguidance's dialect; GBNF too)
+    choice: Sequence[str] | None = field(default=None, compare=False)  # the text is one of these strings
+    jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
+    speculative: bool = True  # may speculate where the engine does (False: one token per step)
+    time_budget_s: float | None = None  # seconds from submission; then unfinished samples end with "time"
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, allowed: str) -> InvalidArgumentError:
             return InvalidArgumentError(f"{name} must be {allowed}, got {value!r}")
 
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif not isinstance(stop, (list, tuple)):
+            if stop is not None:
+                raise bad("stop", stop, "a string or a list of non-empty strings")
+            stop = ()
+        object.__setattr__(self, "stop", tuple(stop))
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.choice is not None and isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -63,10 +79,6 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if self.attention not in ("auto", "bifurcated", "standard"):
-            raise bad("attention", self.attention, "one of 'auto', 'bifurcated', 'standard'")
-        if self.constraint is not None and not isinstance(self.constraint, Constraint):
-            raise bad("constraint", self.constraint, "a Constraint (forklm.sampling.constraints.make_constraint) or None")
         if not isinstance(self.jump_forward, bool):
             raise bad("jump_forward", self.jump_forward, "True or False")
         if not isinstance(self.speculative, bool):
@@ -74,6 +86,35 @@ class SamplingParams:
         if self.time_budget_s is not None and (not _is_number(self.time_budget_s)
                                                or not 0 < self.time_budget_s < math.inf):
             raise bad("time_budget_s", self.time_budget_s, "a positive number of seconds or None")
+
+    def params(self, **engine: object) -> SamplingParams:
+        """These options as the engine's `SamplingParams` (`engine`: its further fields, e.g. attention)."""
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(SamplingOptions)}, **engine)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(SamplingOptions))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams(SamplingOptions):
+    """The options as the engine runs them: the constraint compiled (from json_schema / regex / grammar /
+    choice, or given ready-made by the server, whose parameter names it carries), the attention path."""
+
+    attention: str = "auto"  # "auto" | "bifurcated" | "standard"
+    constraint: Constraint | None = None  # what every sample's text must match (`constraints.make_constraint`)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attention not in ("auto", "bifurcated", "standard"):
+            raise InvalidArgumentError(f"attention must be one of 'auto', 'bifurcated', 'standard', got {self.attention!r}")
+        given = any(x is not None for x in (self.json_schema, self.regex, self.grammar, self.choice))
+        if self.constraint is not None:  # (compiled already: by the server, or before a dataclasses.replace)
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidArgumentError(f"constraint must be a Constraint (forklm.sampling.constraints."
+                                           f"make_constraint) or None, got {self.constraint!r}")
+        elif given:
+            object.__setattr__(self, "constraint", make_constraint(
+                json_schema=self.json_schema, regex=self.regex, grammar=self.grammar, choice=self.choice))
 
     @property
     def greedy(self) -> bool:
