@@ -95,6 +95,37 @@ def _linear_out_in(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     return F.linear(x, w, bias)
 
 
+class _WeightReader:
+    """Takes a checkpoint's tensors by name (each once) into the form the backend runs them in."""
+
+    def __init__(self, weights: dict, backend: Backend) -> None:
+        self.weights, self.backend = weights, backend
+
+    def raw(self, name: str) -> torch.Tensor | BlockQuantized:
+        if name not in self.weights:
+            raise ModelFileError(f"checkpoint is missing tensor {name!r}")
+        return self.weights.pop(name)
+
+    def take(self, name: str) -> torch.Tensor:
+        """A dense tensor in the model dtype (GGUF blocks dequantized: the float loader's values exactly)."""
+        w = self.raw(name)
+        if isinstance(w, (BlockQuantized, GGMLWeights)):
+            w = w.dequantize()
+        return w.to(device=self.backend.device, dtype=self.backend.dtype)
+
+    def transposed(self, w: torch.Tensor) -> torch.Tensor:
+        """A dense [out, in] weight in the backend's layout."""
+        return w.t().contiguous() if self.backend.weight_layout == "in_out" else w.contiguous()
+
+    def matrix(self, *names: str, how: str | None | bool = True) -> torch.Tensor | QuantizedLinear:
+        """Weights fused along `out` in their run-time format (`how`: True for the backend's quantization)."""
+        how = self.backend.quantize if how is True else how
+        if self.backend.quantize is None:
+            return self.transposed(torch.cat([self.take(n) for n in names], dim=0))
+        w = build_matrix([self.raw(n) for n in names], how, self.backend)
+        return w if isinstance(w, QuantizedLinear) else self.transposed(w)
+
+
 class LlamaModel:
     """Weights plus a forward pass; fused q/k/v and gate/up projections (one GEMM each).
 
@@ -108,97 +139,28 @@ class LlamaModel:
         self.config = config
         self.backend = backend  # dtype, device, weight formats and kernels: resolved once (forklm/backend.py)
         backend.for_model(config.head_dim)
-        self.dtype = dtype = backend.dtype
-        self.device = device = backend.device
+        self.dtype, self.device, self.quantize = backend.dtype, backend.device, backend.quantize
         self.num_valid_tokens = config.vocab_size  # LLM lowers it to the tokenizer's size
-        c = config
-        quantize = self.quantize = backend.quantize
-
-        def raw(name: str) -> torch.Tensor | BlockQuantized:
-            if name not in weights:
-                raise ModelFileError(f"checkpoint is missing tensor {name!r}")
-            return weights.pop(name)
-
-        def take(name: str) -> torch.Tensor:
-            w = raw(name)
-            if isinstance(w, (BlockQuantized, GGMLWeights)):  # not kept: the float loader's values exactly
-                w = w.dequantize()
-            return w.to(device=device, dtype=dtype)
-
         self.quantized_kernels = backend.quantized_kernels  # they take [out, in]
         self.weight_layout = backend.weight_layout
         self._linear = _linear if self.weight_layout == "in_out" else _linear_out_in
         if self.quantized_kernels:
             self._linear = linear  # QuantizedLinear or a dense [out, in] weight
-
-        def transposed(w: torch.Tensor) -> torch.Tensor:  # into the chosen layout
-            return w.t().contiguous() if self.weight_layout == "in_out" else w.contiguous()
-
-        def matrix(*names: str, how: str | None = quantize) -> torch.Tensor | QuantizedLinear:  # fused rows, run-time format
-            if quantize is None:
-                return transposed(torch.cat([take(n) for n in names], dim=0))
-            w = build_matrix([raw(n) for n in names], how, backend)
-            return w if isinstance(w, QuantizedLinear) else transposed(w)
-
-        tied = not ("lm_head.weight" in weights and not c.tie_word_embeddings)
-        tied_head = None
-        self._embed_rows = None  # ids -> float32 rows, where the table is not a dense `embed`
-        self.embed: torch.Tensor | None = None  # [V, H], when the table is held dense
-        if quantize is not None and tied:
-            # the table is the quantized head's weights: rows looked up in them (exact), or its dense copy
-            tied_head = build_matrix([raw("model.embed_tokens.weight")], head_format(quantize), backend)
-            if isinstance(tied_head, QuantizedLinear) and tied_head.dense is None:
-                self._embed_rows = tied_head.dequantize_rows
-            else:
-                self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
-                if isinstance(tied_head, BlockLinear) and self.embed.dtype != dtype:
-                    self._embed_rows = tied_head.dequantize_rows  # a bfloat16 dense copy: look up exact rows
-            embed_shape = tuple(tied_head.shape)
-        elif quantize == "gguf" and isinstance(weights.get("model.embed_tokens.weight"), GGMLWeights):
-            table = raw("model.embed_tokens.weight")  # kept as stored; rows dequantized on lookup
-            self._embed_rows = table.dequantize_rows
-            embed_shape = table.shape
-        else:
-            self.embed = take("model.embed_tokens.weight")  # [V, H]
-            embed_shape = tuple(self.embed.shape)
-        if embed_shape != (c.vocab_size, c.hidden_size):
-            raise ModelFileError(
-                f"model.embed_tokens.weight has shape {embed_shape}, config says {(c.vocab_size, c.hidden_size)}"
-            )
-        self.layers: list[dict[str, torch.Tensor | None]] = []
-        for i in range(c.num_layers):
-            pre = f"model.layers.{i}."
-            qkv = matrix(*(pre + f"self_attn.{n}_proj.weight" for n in "qkv"))
-            qkv_bias = gate_up_bias = down_bias = None
-            if c.attention_bias:
-                qkv_bias = torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
-            if c.mlp_bias:
-                gate_up_bias = torch.cat([take(pre + "mlp.gate_proj.bias"), take(pre + "mlp.up_proj.bias")], dim=0)
-                down_bias = take(pre + "mlp.down_proj.bias")
-            self.layers.append(
-                {
-                    "attn_norm": take(pre + "input_layernorm.weight"),
-                    "qkv": qkv,  # [H, (h + 2g)·D] ("in_out"; transposed for "out_in")
-                    "qkv_bias": qkv_bias,
-                    "o": matrix(pre + "self_attn.o_proj.weight"),  # [h·D, H]
-                    "o_bias": take(pre + "self_attn.o_proj.bias") if c.o_proj_bias else None,
-                    "mlp_norm": take(pre + "post_attention_layernorm.weight"),
-                    "gate_up": matrix(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),  # [H, 2I]
-                    "gate_up_bias": gate_up_bias,
-                    "down": matrix(pre + "mlp.down_proj.weight"),  # [I, H]
-                    "down_bias": down_bias,
-                }
-            )
-        self.norm = take("model.norm.weight")
+        reader = _WeightReader(weights, backend)
+        tied = not ("lm_head.weight" in weights and not config.tie_word_embeddings)
+        tied_head = self._build_embedding(reader, tied)
+        self.layers: list[dict[str, torch.Tensor | None]] = [self._build_layer(reader, i) for i in range(config.num_layers)]
+        self.norm = reader.take("model.norm.weight")
         if not tied:
-            self.lm_head = matrix("lm_head.weight", how=head_format(quantize))  # [H, V]
+            self.lm_head = reader.matrix("lm_head.weight", how=head_format(self.quantize))  # [H, V]
         else:
             weights.pop("lm_head.weight", None)
             # tied: a transposed copy for "in_out", the table itself for "out_in"
             if isinstance(tied_head, QuantizedLinear):
                 self.lm_head = tied_head
             else:
-                self.lm_head = transposed(self.embed) if self.weight_layout == "in_out" else self.embed
+                self.lm_head = reader.transposed(self.embed) if self.weight_layout == "in_out" else self.embed
+        c = config
         self._decode_stack = None  # every layer in one C++ call (kernels/decode_stack.py), built on first use
         self._decode_stack_checked = False
         if backend.block_kernel and backend.decode_kernel == "cpu":
@@ -207,7 +169,7 @@ class LlamaModel:
             why = decode_stack.unsupported_reason(self)
             if why is not None:
                 backend.fallbacks.append(f"decode steps run layer by layer, not in one C++ call (the decode stack): {why}")
-        self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(device)
+        self.inv_freq = rope_inv_freq(c.rope, c.head_dim).to(self.device)
         self._rope_len = 0  # positions the cos/sin tables cover (see _rope)
         self._cos = self._sin_signed = torch.empty(0)
         unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))  # old files store RoPE tables
@@ -217,6 +179,58 @@ class LlamaModel:
                 f"checkpoint has tensors a {c.architecture} model with attention_bias={c.attention_bias}, "
                 f"mlp_bias={c.mlp_bias} does not use: {', '.join(unused[:5])}{more}"
             )
+
+    def _build_embedding(self, reader: _WeightReader, tied: bool):
+        """The token table: dense `embed` [V, H], or `_embed_rows` (ids -> float32 rows) over a table kept
+        quantized. Returns the tied LM head's quantized weights, where the head is the table's."""
+        c, quantize = self.config, self.quantize
+        tied_head = None
+        self._embed_rows = None  # ids -> float32 rows, where the table is not a dense `embed`
+        self.embed: torch.Tensor | None = None  # [V, H], when the table is held dense
+        if quantize is not None and tied:
+            # the table is the quantized head's weights: rows looked up in them (exact), or its dense copy
+            tied_head = build_matrix([reader.raw("model.embed_tokens.weight")], head_format(quantize), self.backend)
+            if isinstance(tied_head, QuantizedLinear) and tied_head.dense is None:
+                self._embed_rows = tied_head.dequantize_rows
+            else:
+                self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
+                if isinstance(tied_head, BlockLinear) and self.embed.dtype != self.dtype:
+                    self._embed_rows = tied_head.dequantize_rows  # a bfloat16 dense copy: look up exact rows
+            embed_shape = tuple(tied_head.shape)
+        elif quantize == "gguf" and isinstance(reader.weights.get("model.embed_tokens.weight"), GGMLWeights):
+            table = reader.raw("model.embed_tokens.weight")  # kept as stored; rows dequantized on lookup
+            self._embed_rows = table.dequantize_rows
+            embed_shape = table.shape
+        else:
+            self.embed = reader.take("model.embed_tokens.weight")  # [V, H]
+            embed_shape = tuple(self.embed.shape)
+        if embed_shape != (c.vocab_size, c.hidden_size):
+            raise ModelFileError(
+                f"model.embed_tokens.weight has shape {embed_shape}, config says {(c.vocab_size, c.hidden_size)}"
+            )
+        return tied_head
+
+    def _build_layer(self, reader: _WeightReader, i: int) -> dict[str, torch.Tensor | None]:
+        c, pre = self.config, f"model.layers.{i}."
+        take, matrix = reader.take, reader.matrix
+        qkv_bias = gate_up_bias = down_bias = None
+        if c.attention_bias:
+            qkv_bias = torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+        if c.mlp_bias:
+            gate_up_bias = torch.cat([take(pre + "mlp.gate_proj.bias"), take(pre + "mlp.up_proj.bias")], dim=0)
+            down_bias = take(pre + "mlp.down_proj.bias")
+        return {
+            "attn_norm": take(pre + "input_layernorm.weight"),
+            "qkv": matrix(*(pre + f"self_attn.{n}_proj.weight" for n in "qkv")),  # [H, (h + 2g)·D] ("in_out")
+            "qkv_bias": qkv_bias,
+            "o": matrix(pre + "self_attn.o_proj.weight"),  # [h·D, H]
+            "o_bias": take(pre + "self_attn.o_proj.bias") if c.o_proj_bias else None,
+            "mlp_norm": take(pre + "post_attention_layernorm.weight"),
+            "gate_up": matrix(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),  # [H, 2I]
+            "gate_up_bias": gate_up_bias,
+            "down": matrix(pre + "mlp.down_proj.weight"),  # [I, H]
+            "down_bias": down_bias,
+        }
 
     def num_weight_bytes(self) -> int:
         """Bytes of all weight tensors held (the embedding table and, when tied, its transposed copy;
