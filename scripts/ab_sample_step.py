@@ -4,7 +4,7 @@
         [--out bench/results/sample_step_ab.json]
 
 Checks `--against` out into a temporary git worktree (its C++ extensions built into their own
-TORCH_EXTENSIONS_DIR), then per round and point (m_c x n: a random-token prompt of m_c tokens, n
+FORKLM_CACHE_DIR / TORCH_EXTENSIONS_DIR), then per round and point (m_c x n: a random-token prompt of m_c tokens, n
 samples, temperature 0.8, top-p 0.95, EOS ignored) runs one child process per tree, alternating:
 each child warms up, then takes the step time as (a 33-token sample - a 1-token sample of the same
 prompt, its prefix cached) / 32, three times, and reports the minimum and median. Run it alone
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="forklm_ab_"))
     tree = tmp / "tree"
     subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree), sha], cwd=root, check=True)
-    trees = {sha: (tree, {"TORCH_EXTENSIONS_DIR": str(tmp / "extensions")}), f"this tree ({head})": (root, {})}
+    trees = {sha: (tree, {"TORCH_EXTENSIONS_DIR": str(tmp / "extensions"), "FORKLM_CACHE_DIR": str(tmp / "forklm-cache")}), f"this tree ({head})": (root, {})}
     if args.this_first:
         trees = dict(reversed(trees.items()))
     res: dict[str, dict[str, list[dict]]] = {p: {name: [] for name in trees} for p in args.points.split(",")}

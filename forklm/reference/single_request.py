@@ -104,11 +104,9 @@ def _sync(device: torch.device) -> None:
 
 def sample_single_request(llm, prompt, n: int = 1, *, attention: str = "auto", **kwargs) -> SampleOutput:
     """`LLM.sample`'s arguments through this reference path (validated by the engine's rules)."""
-    import dataclasses
-
     from forklm.llm import Request
 
-    params = dataclasses.replace(Request(prompt, n, **kwargs).params(), attention=attention)
+    params = Request(prompt, n=n, **kwargs).params(attention=attention)
     prompt_ids = llm.prompt_token_ids(prompt)
     llm.validate(prompt_ids, params)
     constraints = token_constraints(llm.tokenizer, llm.eos_token_ids) if params.constraint is not None else None
