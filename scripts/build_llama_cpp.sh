@@ -62,5 +62,5 @@ nice cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
     -DLLAMA_BUILD_TOOLS=ON \
     ${COMMIT:+-DLLAMA_BUILD_COMMIT="$COMMIT"} >&2
 echo "building llama-batched-bench and llama-quantize (10+ minutes on 2 cores)" >&2
-nice cmake --build "$BUILD" --target llama-batched-bench llama-quantize -j "${JOBS:-$(nproc)}" >&2
+nice cmake --build "$BUILD" --target llama-batched-bench llama-quantize llama-perplexity llama-tokenize -j "${JOBS:-$(nproc)}" >&2
 echo "$BIN"
