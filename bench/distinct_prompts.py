@@ -31,7 +31,8 @@ import torch
 from forklm.attention.segments import attend_segment
 from bench.machine import machine_info
 from bench.sweep import write_json
-from bench.sweep import SNIPPET, TEMPERATURE, TOP_P, TransformersRunner, _step_clock
+from bench.prompts import SNIPPET, TEMPERATURE, TOP_P
+from bench.sweep import TransformersRunner, _step_clock
 from forklm.reference.forked_attention import PrefillAttention
 from forklm.reference.forked_kv import ForkedKVCache
 from forklm.sampling.sampler import sample_tokens

@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from bench.serve_workload import RunResult, Workload
+from bench.workload import RunResult, Workload
 from forklm.engine.loop import EngineLoop
 from forklm.sampling.params import SamplingParams
 

@@ -205,7 +205,7 @@ def _probe_main(argv: list[str]) -> int:
     llm = LLM(a.model, dtype=a.dtype, device="cpu", quantize=a.quantize)
     load_s = time.perf_counter() - t0
     rss_loaded = current_rss_bytes() / _MIB
-    from bench.sweep import SEED, TEMPERATURE, TOP_P, synthetic_prompt
+    from bench.prompts import SEED, TEMPERATURE, TOP_P, synthetic_prompt
 
     kw = dict(temperature=TEMPERATURE, top_p=TOP_P, seed=SEED, ignore_eos=True)
     prompt = synthetic_prompt(llm.tokenizer, llm.config.vocab_size, a.m_c)

@@ -87,7 +87,7 @@ def build_pair(agreement: float, quantize: str | None, sharpness: float = 16.0, 
 def run_pair(args) -> dict:
     """The --pair sweep: per agreement, regular vs the draft model (auto and fixed k) at each
     n and temperature; a random prompt of m_c ids (the first context)."""
-    from bench.spec import _line, run_mode, run_point
+    from bench.spec_points import point_line, run_mode, run_point
     from forklm.engine.engine import Engine, EngineConfig
     from forklm.backend import resolve_quantize
 
@@ -118,7 +118,7 @@ def run_pair(args) -> dict:
                 row = {"agreement": agreement, "m_c": m_c, "n": n, "temperature": temperature,
                        "modes": run_point(modes, prompt, n, args.new_tokens, temperature, args.seed, args.repeats)}
                 points.append(row)
-                print(f"agreement {agreement} " + _line(row), flush=True)
+                print(f"agreement {agreement} " + point_line(row), flush=True)
         del modes, draft
     return {"pair": {"target_shape": TARGET_SHAPE, "draft_shape": DRAFT_SHAPE, "quantize": quantize,
                      "sharpness": 16.0, "residual": 0.05}, "points": points}

@@ -46,39 +46,12 @@ from bench.machine import cpu_model, machine_info
 from bench.floor import Ceilings, measure_ceilings, step_floor, step_matmul_shapes
 from bench.memory import PeakMemory
 from bench.presets import parse_presets
+from bench.prompts import SEED, TEMPERATURE, TOP_P, synthetic_prompt
 
-TEMPERATURE = 0.8
-TOP_P = 0.95
-SEED = 0
 FORKLM_PATHS = ("standard", "bifurcated", "auto", "single-request")
 # "single-request": the reference stack `LLM.sample` ran before it moved onto the engine
 # (forklm/reference/), timed side by side as the baseline the engine must match.
 HF_IMPL = "transformers"
-
-# The synthetic prompt: this snippet's token ids, repeated and cut to m_c tokens.
-SNIPPET = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
-    """Merge two sorted lists into one sorted list."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            out.append(a[i]); i += 1
-        else:
-            out.append(b[j]); j += 1
-    return out + a[i:] + b[j:]
-
-
-class LRUCache:
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.data: dict[str, int] = {}
-
-    def get(self, key: str) -> int | None:
-        if key not in self.data:
-            return None
-        value = self.data.pop(key)
-        self.data[key] = value
-        return value
-'''
 
 ProgressFn = Callable[[str], None]
 
@@ -102,21 +75,6 @@ def parse_paths(text: str) -> list[str]:
     if bad:
         raise ValueError(f"--paths: unknown path(s) {bad}; choose from {', '.join(FORKLM_PATHS)}")
     return list(dict.fromkeys(paths))
-
-
-def synthetic_prompt(tokenizer: Any, vocab_size: int, m_c: int) -> list[int]:
-    """Exactly m_c deterministic token ids: BOS (if the tokenizer adds one) + the snippet, repeated.
-
-    A tokenizer that cannot spell the snippet (a toy vocabulary), or none (a random-weight model),
-    gets fixed pseudo-random ids.
-    """
-    ids = [i for i in tokenizer.encode(SNIPPET, add_special_tokens=False) if 0 <= i < vocab_size] if tokenizer else []
-    if len(set(ids)) < 8:
-        ids = [(17 + 7919 * i) % vocab_size for i in range(257)]
-    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos", False) else None
-    head = [bos] if bos is not None else []
-    reps = (m_c // len(ids)) + 1
-    return (head + ids * reps)[:m_c]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

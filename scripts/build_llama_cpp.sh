@@ -29,7 +29,10 @@ case "$ISA" in
 esac
 BIN="$BUILD/bin/llama-batched-bench"
 
-if [ -x "$BIN" ] && [ -x "$BUILD/bin/llama-quantize" ]; then
+TARGETS="llama-batched-bench llama-quantize llama-perplexity llama-tokenize"
+built=1
+for t in $TARGETS; do [ -x "$BUILD/bin/$t" ] || built=0; done
+if [ "$built" = 1 ]; then
     echo "$BIN"
     exit 0
 fi
@@ -61,6 +64,6 @@ nice cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -G Ninja \
     -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON \
     ${COMMIT:+-DLLAMA_BUILD_COMMIT="$COMMIT"} >&2
-echo "building llama-batched-bench and llama-quantize (10+ minutes on 2 cores)" >&2
-nice cmake --build "$BUILD" --target llama-batched-bench llama-quantize llama-perplexity llama-tokenize -j "${JOBS:-$(nproc)}" >&2
+echo "building $TARGETS (10+ minutes on 2 cores the first time)" >&2
+nice cmake --build "$BUILD" --target $TARGETS -j "${JOBS:-$(nproc)}" >&2
 echo "$BIN"
