@@ -202,3 +202,29 @@ def test_non_finite_logits_stop_their_request_with_a_clear_error(monkeypatch, po
     other, prompt, p = (b, PROMPT_B, pb) if failed[0] is a else (a, PROMPT_A, pa)
     same_as_reference(other, prompt, p)
     assert eng.blocks_in_use() == 0
+
+
+def test_a_short_request_starts_beside_a_long_prefill():
+    """The chunked-prefill budget is shared: a short request submitted while a long prompt prefills
+    is admitted in the next step and has its first token a step later, not after the whole prompt;
+    both still equal their references."""
+    eng = Engine(tiny_model(), decode, (EOS,), EngineConfig(block_size=2, num_blocks=800, max_batch_tokens=64))
+    long_prompt = [(7 * i + 1) % 13 for i in range(600)]  # ~10 steps of prefill alone
+    long_prompt = [t if t != EOS else 4 for t in long_prompt]
+    pl, ps = params(8, n=2, max_tokens=4), params(9, n=1, max_tokens=4)
+    long_req = eng.add_request(long_prompt, pl)
+    eng.step()
+    eng.step()
+    short = eng.add_request(PROMPT_C, ps)
+    first, steps = None, 0
+    while first is None and steps < 50:
+        eng.step()
+        steps += 1
+        if short.samples and short.samples[0].token_ids:
+            first = steps
+    assert first is not None and first <= 2, first
+    assert long_req.status is not Status.FINISHED  # the long prompt was still prefilling
+    run_checked(eng)
+    same_as_reference(short, PROMPT_C, ps)
+    same_as_reference(long_req, long_prompt, pl)
+    assert eng.blocks_in_use() == 0

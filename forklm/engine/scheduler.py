@@ -9,7 +9,8 @@ Each step (`schedule`), oldest request first:
       speculative sampling on, decode rows the speculator drafts for extend by their pending
       token and the draft (`Sequence.draft`, verified by the output processor);
   (b) prompts being prefilled and samples being recomputed take prompt chunks from the token
-      budget (`max_batch_tokens`, chunked prefill);
+      budget (`max_batch_tokens`, chunked prefill), each at most half of it while requests wait
+      (the budget shared with newcomers: a short request beside a long prompt starts at once);
   (c) samples waiting for blocks or a decode row (waves of a large n, preempted samples) start,
       at most `max_num_seqs` running sequences in all; fresh samples of a request start
       together as one lane group;
@@ -113,7 +114,7 @@ class Scheduler:
         if self.speculator is not None and batch.decode:
             budget -= self._speculate(batch, budget)
 
-        def add_chunk(seq: Sequence) -> None:
+        def add_chunk(seq: Sequence, cap: int | None = None) -> None:
             nonlocal budget
             pending = seq.num_pending
             known = len(seq.sample.ahead) + 1 if seq.sample is not None and seq.sample.ahead else 0
@@ -123,7 +124,7 @@ class Scheduler:
                     scheduled.add(id(seq))
                     budget -= known
                 return
-            take = min(pending - known, max(budget, 0))  # a recompute stops short of a known run
+            take = min(pending - known, max(budget, 0), cap if cap is not None else budget)  # a recompute stops short of a known run
             if take <= 0:
                 return
             if take == 1 and seq.num_pending == 1:
@@ -133,11 +134,14 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= take
 
-        # (b) prompts being prefilled and samples being recomputed (unless preempted in (a))
+        # (b) prompts being prefilled and samples being recomputed (unless preempted in (a)). While
+        # requests wait to be admitted, a chunk takes at most half the budget left, so that a short
+        # request arriving beside a long prompt is admitted in (d) this step, not after the whole prompt.
+        cap = max(budget // 2, bs) if self.waiting else None
         for seq in more:
             req = seq.request
             if seq is req.prompt_seq or (seq in req.running and id(seq) not in scheduled):
-                add_chunk(seq)
+                add_chunk(seq, cap)
         # (c) samples waiting for blocks or a row
         for req in self.active:
             slots = self.config.max_num_seqs - self.num_running
