@@ -11,12 +11,13 @@ FORKLM_REBUILD=1, to try again), and each process says it once, as a warning nam
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
 import sys
-import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,15 +55,19 @@ def build_directory(name: str, key: str) -> Path:
     return cache_root() / f"{name}-{key}"
 
 
-def _remove_stale_lock(directory: Path, max_age_s: float = 600.0) -> None:
-    """A build killed half-way leaves torch's lock file behind and the next build waits on it forever:
-    a lock older than any build here (about a minute) is removed."""
-    lock = directory / "lock"
-    try:
-        if lock.exists() and time.time() - lock.stat().st_mtime > max_age_s:
-            lock.unlink()
-    except OSError:
-        pass
+@contextmanager
+def _build_lock(directory: Path):
+    """Held while a process builds or loads `directory`'s extension: an flock, which the kernel drops
+    when its holder dies. torch's own lock file is a plain file that a build killed half-way leaves
+    behind, and torch's next build waits on it forever; whoever holds this lock knows no live process
+    is building there, so such a file is stale and removed."""
+    with open(directory / "forklm.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _one_line(e: BaseException) -> str:
@@ -83,11 +88,11 @@ def load_extension(name: str, source: Path, cflags: list[str], ldflags: list[str
         raise BuildError(f"{failed.read_text().strip()} (recorded in {directory}; delete it or set FORKLM_REBUILD=1 "
                          "to build again)")
     directory.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(directory)
     try:
-        return load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
-                    extra_include_paths=include_paths, build_directory=str(directory),
-                    verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1")
+        with _build_lock(directory):
+            return load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
+                        extra_include_paths=include_paths, build_directory=str(directory),
+                        verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 - the compiler's or linker's failure, recorded and reported
         reason = _one_line(e)
         try:
