@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +37,11 @@ from forklm.errors import InvalidArgumentError, UnsupportedModelError
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CONSTRAINT_CHARS = 1 << 20  # a constraint's text at most (1 MiB): compiling is the user's cost
+# llguidance builds a grammar recursively along its chains of rules / $refs / groups: a few thousand
+# (tens of kB of text) overflow a thread's usual 8 MiB stack and kill the process. It builds on a
+# thread of its own whose stack grows with the text (at most ~1.4 kB a character was measured).
+COMPILE_STACK_BYTES_PER_CHAR = 2 << 10
+MIN_COMPILE_STACK_BYTES = 64 << 20
 COMPILED_CACHE_SIZE = 64  # start matchers kept per tokenizer, by constraint text
 
 
@@ -103,6 +109,8 @@ def _schema_text(schema: Any) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise InvalidArgumentError(f"json_schema is not valid JSON ({e})") from None
+        except RecursionError:
+            raise InvalidArgumentError("json_schema is nested too deeply") from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
@@ -111,6 +119,8 @@ def _schema_text(schema: Any) -> str:
         return json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"json_schema must hold only JSON values ({e})") from None
+    except RecursionError:
+        raise InvalidArgumentError("json_schema is nested too deeply") from None
 
 
 def _quote(value: Any) -> str:
@@ -118,10 +128,42 @@ def _quote(value: Any) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
+def _on_large_stack(chars: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) on a new thread with a stack for building a grammar of `chars` characters."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            outcome.append((False, e))
+
+    size = max(MIN_COMPILE_STACK_BYTES, chars * COMPILE_STACK_BYTES_PER_CHAR)
+    with _STACK_SIZE_LOCK:  # the size is process-wide: set for this thread's start only
+        previous = threading.stack_size(size)
+        try:
+            thread = threading.Thread(target=run, name="forklm-grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value
+
+
+_STACK_SIZE_LOCK = threading.Lock()
+
+
 @functools.lru_cache(maxsize=256)
 def compiled_grammar(constraint: Constraint) -> str:
     """llguidance's grammar for a constraint (cached by its text); InvalidArgumentError naming the
     parameter if llguidance cannot compile it."""
+    return _on_large_stack(len(constraint.text), _compile, constraint)
+
+
+def _compile(constraint: Constraint) -> str:
     try:
         if constraint.kind in ("json_schema", "json_object"):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(constraint.text, defaults=JSON_DEFAULTS)
@@ -132,10 +174,10 @@ def compiled_grammar(constraint: Constraint) -> str:
         else:
             grammar = llguidance.grammar_from("choice", json.loads(constraint.text))
     except (ValueError, TypeError) as e:
-        raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_first_lines(str(e))}") from None
+        raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_one_line(str(e))}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_first_lines(error)}")
+        raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_one_line(error)}")
     return grammar
 
 
@@ -145,9 +187,19 @@ def _first_line(message: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def _first_lines(message: str, limit: int = 400) -> str:
-    message = message.strip()
-    return message if len(message) <= limit else message[:limit] + "..."
+_CARETS = re.compile(r"\^[\^ ]*")  # the marks under a quoted source line
+_SOURCE_LINE = re.compile(r"\d+ \| ")  # llguidance's numbered grammar lines
+
+
+def _one_line(message: str, limit: int = 300) -> str:
+    """An llguidance error as one line: its lines less the source quoted and marked with ^^^
+    (a regex parse error's reason is on a line of its own after them), each cut to 120 characters."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    kept = [line if len(line) <= 120 else line[:120] + "..." for i, line in enumerate(lines)
+            if line and not _CARETS.fullmatch(line) and not _SOURCE_LINE.match(line)
+            and not (i + 1 < len(lines) and _CARETS.fullmatch(lines[i + 1]))]
+    text = " ".join(kept) or "(no message)"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # grammar steps a new constraint is walked at check time (`TokenConstraints._probe`)
@@ -174,7 +226,7 @@ class SampleMatcher:
     def consume(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
             raise ConstraintError(f"{self.constraint.describe()}: the grammar refused token {token_id}: "
-                                  f"{_first_lines(self._matcher.get_error(), 300)}")
+                                  f"{_one_line(self._matcher.get_error())}")
         self.consumed += 1
 
     def take_forced(self, limit: int) -> list[int]:
@@ -186,7 +238,7 @@ class SampleMatcher:
         forced = self._matcher.compute_ff_tokens()[:limit]
         if forced and not self._matcher.consume_tokens(forced):
             raise ConstraintError(f"{self.constraint.describe()}: the grammar refused its own forced tokens "
-                                  f"{forced}: {_first_lines(self._matcher.get_error(), 300)}")
+                                  f"{forced}: {_one_line(self._matcher.get_error())}")
         self.consumed += len(forced)
         return forced
 
@@ -313,9 +365,10 @@ class TokenConstraints:
             if start is not None:
                 self._starts.move_to_end(constraint)
                 return start
-        start = llguidance.LLMatcher(self.lltokenizer, compiled_grammar(constraint), log_level=0)
+        grammar = compiled_grammar(constraint)
+        start = _on_large_stack(len(grammar), llguidance.LLMatcher, self.lltokenizer, grammar, log_level=0)
         if start.is_error():
-            raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_first_lines(start.get_error())}")
+            raise InvalidArgumentError(f"{constraint.param} cannot be compiled: {_one_line(start.get_error())}")
         self._probe(constraint, start.deep_copy())
         with self._lock:
             self._starts[constraint] = start

@@ -311,8 +311,9 @@ async def _read_json(request: Request, limit: int) -> Any:
         data = json.loads(text, parse_constant=no_constants)
     except ValueError as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise invalid("the request body is nested too deeply") from None
+    except RecursionError:  # which parameter: a scan of up to seconds (4 MB of brackets), off the event loop
+        param = await asyncio.to_thread(_deepest_key, text)
+        raise invalid("the request body is nested too deeply", param=param) from None
     if "\\u" in text and _SURROGATE_ESCAPE.search(text):
         try:  # an escape such as "\ud800" outside a surrogate pair: text no tokenizer can take
             json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -320,11 +321,50 @@ async def _read_json(request: Request, limit: int) -> Any:
             raise invalid("the request body is nested too deeply") from None
         except UnicodeEncodeError:
             raise invalid("the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
-                          "which is not a Unicode character") from None
+                          "which is not a Unicode character", param=_surrogate_key(data)) from None
     return data
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')  # strings and brackets
+
+
+def _deepest_key(text: str) -> str | None:
+    """The top-level key of a JSON object text whose value nests deepest (the parameter a body
+    nested past the parser's limit is refused for); None where that is no key to quote back."""
+    if not text.lstrip().startswith("{"):
+        return None
+    depth, key, deepest, found = 0, None, 0, None
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > deepest:
+                deepest, found = depth, key
+        elif token in ("]", "}"):
+            depth -= 1
+        elif depth == 1:  # a key, or a value: the last one before a nested value is its key
+            key = token
+    try:
+        name = json.loads(found)
+        name.encode("utf-8")  # an unpaired surrogate is no text to answer with
+    except (TypeError, ValueError):
+        return None
+    return name
+
+
+def _surrogate_key(data: Any) -> str | None:
+    """The top-level key whose value holds an unpaired surrogate; None where a key holds one."""
+    for key, value in data.items() if isinstance(data, dict) else ():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return key
+    return None
 
 
 async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:

@@ -244,10 +244,12 @@ def _response_format(value: dict) -> tuple[str, dict]:
     if kind == "json_schema" and set(value) <= {"type", "json_schema"}:
         spec = value.get("json_schema")
         if isinstance(spec, dict) and isinstance(spec.get("schema"), dict) \
-                and set(spec) <= {"name", "schema", "strict", "description"}:
+                and set(spec) <= {"name", "schema", "strict", "description"} and isinstance(spec.get("name", ""), str) \
+                and isinstance(spec.get("description"), (str, type(None))) \
+                and isinstance(spec.get("strict"), (bool, type(None))):
             return "json_schema", {"json_schema": spec["schema"]}
         raise invalid("response_format.json_schema must be an object with a 'schema' object (and optionally "
-                      "'name', 'description', 'strict')", param="response_format")
+                      "'name' and 'description' strings and a boolean 'strict')", param="response_format")
     raise invalid(f"response_format must be {{'type': 'text'}}, {{'type': 'json_object'}} or {{'type': "
                   f"'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {clip(value)}",
                   param="response_format")
