@@ -95,6 +95,8 @@ def load_extension(name: str, source: Path, cflags: list[str], ldflags: list[str
                         verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1")
     except Exception as e:  # noqa: BLE001 - the compiler's or linker's failure, recorded and reported
         reason = _one_line(e)
+        if isinstance(e, (ImportError, OSError)):  # a binary that could not be opened: not the build's verdict
+            raise BuildError(reason) from e
         try:
             failed.write_text(reason + "\n")
         except OSError:
