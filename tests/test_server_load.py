@@ -28,7 +28,14 @@ def test_disconnect_mid_stream_releases_blocks(forklm_server):
                     events += 1
                     if events == 3:
                         break
-            busy = forklm_server.metrics()
+            # /metrics may show a state one step old (the gauges are copied after a step, its tokens are
+            # streamed during it): the first step's 4 tokens can arrive before its gauges are set
+            deadline = time.monotonic() + 5
+            while True:
+                busy = forklm_server.metrics()
+                if busy["forklm_requests_running"] == 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
             assert busy["forklm_kv_blocks_in_use"] > 0 and busy["forklm_requests_running"] == 1
         closed_at = time.monotonic()
         idle = wait_idle(forklm_server, timeout=10)
