@@ -273,8 +273,45 @@ class StepPlanner:
 
     # ------------------------------------------------------------------ decode rows
     def _plan_decode(self, plan: StepPlan, rows: Sequence[DecodeRow], slots: list[int]) -> None:
-        bs = self.block_size
         self._last = None
+        caches, prefixes = self._row_prefixes(rows)
+        segments, tail_start = self._shared(rows, prefixes)
+        if self.shared_attention == "standard" and self.decode_kernel != "torch":
+            # the kernels read a segment once for its rows whenever one is planned: standard
+            # attention plans none, so each row reads its whole cache itself
+            segments, tail_start = [], [0] * len(rows)
+        if self.decode_kernel == "cpu":  # items in the rows' own order: the C++ kernel needs no plan order
+            self._cpu_plan(plan, rows, segments, tail_start)
+            return
+        tails = self._tail_runs(rows, caches, tail_start)
+        ragged = self.num_slots is not None and self.decode_kernel == "torch"
+        units = self._ordered_units(rows, prefixes, tails, ragged)
+        order = [i for u in units for i in u]
+        position_of = [0] * len(rows)  # decode row -> plan row
+        for pos, i in enumerate(order):
+            position_of[i] = pos
+        if order != list(range(len(rows))):
+            plan.order = torch.tensor(order, dtype=torch.long, device=self.device)
+        if self.decode_kernel == "triton":
+            self._kernel_plan(plan, rows, order, position_of, segments, tail_start)
+            return
+        groups = self._tail_groups(units, tails, ragged)
+        plan.tails = groups
+        group_of = [0] * len(rows)
+        for gi, tg in enumerate(groups):
+            for pos in range(tg.row0, tg.row0 + tg.num_rows):
+                group_of[order[pos]] = gi
+        plan.extra = extra = self._segment_reads(plan, segments, position_of)
+        if all(r.key is not None for r in rows):
+            self._last = _DecodePlanState(
+                list(map(operator.attrgetter("key"), rows)), [r.block_table for r in rows],
+                [r.position for r in rows], slots, group_of, groups, extra, plan.order, plan.num_shared_reads,
+            )
+
+    def _row_prefixes(self, rows: Sequence[DecodeRow]) -> tuple[list[TailRuns | None], list[tuple[int, ...]]]:
+        """Each row's cached tail (None: an unkeyed row) and shareable prefix: its leading full
+        blocks, at most `shareable_blocks` of them."""
+        bs = self.block_size
         caches: list[TailRuns | None] = []
         prefixes = []
         for r in rows:  # a row's blocks are only ever appended to: its cached prefix stays valid
@@ -290,14 +327,12 @@ class StepPlanner:
             else:
                 prefixes.append(tuple(r.block_table[:n]))
             caches.append(cache)
-        segments, tail_start = self._shared(rows, prefixes)
-        if self.shared_attention == "standard" and self.decode_kernel != "torch":
-            # the kernels read a segment once for its rows whenever one is planned: standard
-            # attention plans none, so each row reads its whole cache itself
-            segments, tail_start = [], [0] * len(rows)
-        if self.decode_kernel == "cpu":  # items in the rows' own order: the C++ kernel needs no plan order
-            self._cpu_plan(plan, rows, segments, tail_start)
-            return
+        return caches, prefixes
+
+    def _tail_runs(self, rows: Sequence[DecodeRow], caches: list[TailRuns | None], tail_start: list[int]) -> list[Runs]:
+        """Each row's tail (from its first block past the shared segments through its new token)
+        as runs of slots; cached tails of rows that left without `forget` are dropped."""
+        bs = self.block_size
         tails = []
         live = set()
         for i, (r, cache) in enumerate(zip(rows, caches)):
@@ -309,7 +344,12 @@ class StepPlanner:
                 tails.append(cache.update(r.block_table, start, end, bs))
         if len(self._tails) > 4 * max(len(live), 64):  # rows that left without `forget`
             self._tails = {k: v for k, v in self._tails.items() if k in live}
-        ragged = self.num_slots is not None and self.decode_kernel == "torch"
+        return tails
+
+    @staticmethod
+    def _ordered_units(rows: Sequence[DecodeRow], prefixes: list[tuple[int, ...]], tails: list[Runs],
+                       ragged: bool) -> list[list[int]]:
+        """The rows' units (lists of decode rows planned together) in plan order."""
         units = _units(rows, prefixes, tails) if ragged else [[i] for i in range(len(rows))]
         # Plan order: by shareable prefix (rows of a shared segment become a contiguous range),
         # then tails by their shape and first slot so strided lane groups line up (units keep
@@ -319,17 +359,11 @@ class StepPlanner:
                                       tails[u[0]][0][0], tails[u[0]][-1][1]))
         else:
             units.sort(key=lambda u: (prefixes[u[0]], [n for _, n in tails[u[0]]], tails[u[0]][0][0]))
-        order = [i for u in units for i in u]
-        position_of = [0] * len(rows)
-        for pos, i in enumerate(order):
-            position_of[i] = pos
-        if order != list(range(len(rows))):
-            plan.order = torch.tensor(order, dtype=torch.long, device=self.device)
-        if self.decode_kernel == "triton":
-            self._kernel_plan(plan, rows, order, position_of, segments, tail_start)
-            return
-        # Tails: neighbouring units whose runs line up at constant strides (their lengths equal,
-        # or, with masked reads, the last run's lengths ragged).
+        return units
+
+    def _tail_groups(self, units: list[list[int]], tails: list[Runs], ragged: bool) -> list[TailGroup]:
+        """Tails: neighbouring units whose runs line up at constant strides (their lengths equal,
+        or, with masked reads, the last run's lengths ragged), in plan order."""
         groups: list[TailGroup] = []
         pos = 0
         for u in units:
@@ -352,11 +386,13 @@ class StepPlanner:
                     tg.lengths = lengths
                 groups.append(tg)
             pos += len(u)
-        plan.tails = groups
-        group_of = [0] * len(rows)
-        for gi, tg in enumerate(groups):
-            for pos in range(tg.row0, tg.row0 + tg.num_rows):
-                group_of[order[pos]] = gi
+        return groups
+
+    def _segment_reads(self, plan: StepPlan, segments: list[SharedSegment], position_of: list[int]) -> list[ExtraRead]:
+        """The shared segments' reads, each over its rows' contiguous range of plan rows,
+        bifurcated or expanded (`shared_attention`, "auto": by `choose_decode_path`); counts the
+        bifurcated ones in `plan.num_shared_reads`."""
+        bs = self.block_size
         extra: list[ExtraRead] = []
         for seg in segments:
             plan_rows = sorted(position_of[r] for r in seg.rows)
@@ -370,12 +406,7 @@ class StepPlanner:
             for first, n in slot_runs(seg.blocks, 0, tokens, bs):
                 extra.append(ExtraRead(r0, r1, first, n, bif))
             plan.num_shared_reads += bif
-        plan.extra = extra
-        if all(r.key is not None for r in rows):
-            self._last = _DecodePlanState(
-                list(map(operator.attrgetter("key"), rows)), [r.block_table for r in rows],
-                [r.position for r in rows], slots, group_of, groups, extra, plan.order, plan.num_shared_reads,
-            )
+        return extra
 
     def _shared(self, rows: Sequence[DecodeRow], prefixes: list[tuple]) -> tuple[list[SharedSegment], list[int]]:
         key = tuple((r.key, len(p)) for r, p in zip(rows, prefixes)) if all(r.key is not None for r in rows) else None

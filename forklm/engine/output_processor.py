@@ -92,6 +92,32 @@ class OutputProcessor:
     def process(self, batch: ScheduledBatch, out: StepOutput) -> StepResult:
         self.masks.wait()
         result = StepResult()
+        # the drawn states: the logits row of each, its sequence and its request
+        rows, states, seqs, owner, touched = self._drawing_rows(batch, out, result)
+        if batch.extend:
+            self._process_extends(batch, out, result, touched, rows, states, seqs, owner)
+        result.touched = list(touched.values())
+        if not states:
+            if batch.extend:
+                self._count(result.touched, [], out.shared_reads)
+            return result
+        self._prepare_requests(result)
+        if result.failed:
+            keep = [i for i, r in enumerate(owner) if id(r) not in result.failed]
+            rows, states, seqs, owner = ([x[i] for i in keep] for x in (rows, states, seqs, owner))
+            if not states:
+                return result
+        if not self._draw(out, rows, states, owner, result):
+            return result
+        self._count(result.touched, owner, out.shared_reads)
+        self._finish_draws(seqs, states, owner, result)
+        return result
+
+    def _drawing_rows(self, batch: ScheduledBatch, out: StepOutput, result: StepResult) -> tuple[
+            list[int], list[SampleState], list[Sequence | None], list[RequestState], dict[int, RequestState]]:
+        """The states that draw from the step's decode rows and chunk rows (rows, states, seqs,
+        owner, as below) and the requests touched (id -> request). A prompt whose last chunk ran
+        is reported done, and its fresh samples all draw from its last row."""
         row_of_seq = out.row_of_seq
         dec = batch.decode
         rows: list[int]  # logits row of each drawn state
@@ -126,25 +152,31 @@ class OutputProcessor:
                 states.append(seq.sample)
                 seqs.append(seq)
                 owner.append(req)
-        if batch.extend:
-            for seq in batch.extend:
-                touched[id(seq.request)] = seq.request
-            result.touched = list(touched.values())
-            drafted = [seq for seq in batch.extend if seq.draft]
-            known = [seq for seq in batch.extend if not seq.draft] if drafted else batch.extend
-            if drafted:
-                self._verify_drafts(drafted, out, result)
-            _, drawing = self._accept_known(known, out, result) if known else (0, [])
-            for seq in drawing:
-                rows.append(row_of_seq[id(seq)])
-                states.append(seq.sample)
-                seqs.append(seq)
-                owner.append(seq.request)
+        return rows, states, seqs, owner, touched
+
+    def _process_extends(self, batch: ScheduledBatch, out: StepOutput, result: StepResult,
+                         touched: dict[int, RequestState], rows: list[int], states: list[SampleState],
+                         seqs: list[Sequence | None], owner: list[RequestState]) -> None:
+        """The step's extends: drafted ones are verified, known runs accepted; the sequences that
+        go on to draw from their last row join the drawn states (`rows` ... `owner`, in place)."""
+        row_of_seq = out.row_of_seq
+        for seq in batch.extend:
+            touched[id(seq.request)] = seq.request
         result.touched = list(touched.values())
-        if not states:
-            if batch.extend:
-                self._count(result.touched, [], out.shared_reads)
-            return result
+        drafted = [seq for seq in batch.extend if seq.draft]
+        known = [seq for seq in batch.extend if not seq.draft] if drafted else batch.extend
+        if drafted:
+            self._verify_drafts(drafted, out, result)
+        _, drawing = self._accept_known(known, out, result) if known else (0, [])
+        for seq in drawing:
+            rows.append(row_of_seq[id(seq)])
+            states.append(seq.sample)
+            seqs.append(seq)
+            owner.append(seq.request)
+
+    def _prepare_requests(self, result: StepResult) -> None:
+        """Stop ids and (at a constrained request's first draw) grammar matchers of the touched
+        requests; a request whose matchers cannot be made fails, the others draw."""
         for r in result.touched:
             if r.stop_ids is None:
                 r.stop_ids = stop_token_set(r.params, self.eos_token_ids)
@@ -153,11 +185,12 @@ class OutputProcessor:
                     self._start_matchers(r)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the others draw
                     result.fail(r, exc)
-        if result.failed:
-            keep = [i for i, r in enumerate(owner) if id(r) not in result.failed]
-            rows, states, seqs, owner = ([x[i] for i in keep] for x in (rows, states, seqs, owner))
-            if not states:
-                return result
+
+    @staticmethod
+    def _draw(out: StepOutput, rows: list[int], states: list[SampleState], owner: list[RequestState],
+              result: StepResult) -> bool:
+        """One batched draw of every state from its logits row; False if it failed (then this
+        step's requests fail)."""
         try:
             if rows == list(range(out.logits.shape[0])):  # each row drawn once, in order: no copy
                 picked = out.logits
@@ -167,8 +200,13 @@ class OutputProcessor:
         except Exception as exc:  # noqa: BLE001 - the whole draw failed: this step's requests fail
             for r in result.touched:
                 result.fail(r, exc)
-            return result
-        self._count(result.touched, owner, out.shared_reads)
+            return False
+        return True
+
+    def _finish_draws(self, seqs: list[Sequence | None], states: list[SampleState], owner: list[RequestState],
+                      result: StepResult) -> None:
+        """After the draw: the stop rules, the grammar's forced run (jump-forward) appended to the
+        sequence with the drawn token, and an event per drawn token."""
         failed = result.failed
         decode = self.decode
         for seq, st, r in zip(seqs, states, owner):
@@ -199,7 +237,6 @@ class OutputProcessor:
                 emit(r, TokenEvent(r.request_id, st.index, st.token_ids[-1], st.logprobs[-1],
                                    st.finish_reason if fin else None,
                                    st.top_logprobs[-1] if st.top_logprobs else None, sample))
-        return result
 
     def _accept_known(self, extend: list[Sequence], out: StepOutput, result: StepResult) -> tuple[int, list[Sequence]]:
         """The known tokens of the step's extends become sample tokens, each with its log-prob
@@ -215,12 +252,7 @@ class OutputProcessor:
         dev = out.logits.device
         picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
         lps = model_logprobs(picked, torch.tensor(toks, dtype=torch.long, device=dev)).tolist()
-        top: list | None = None
-        if any(seq.request.params.top_logprobs for seq in extend):
-            k = max(seq.request.params.top_logprobs for seq in extend)
-            values, ids = torch.topk(picked, k, dim=-1)
-            values = values - torch.logsumexp(picked, dim=-1, keepdim=True)
-            top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        top = _top_logprobs(picked, extend)
         drawing, accepted, at = [], 0, 0
         failed = result.failed
         for seq in extend:
@@ -270,6 +302,22 @@ class OutputProcessor:
         t0 = time.perf_counter()
         failed = result.failed
         live = [seq for seq in seqs if not (failed and id(seq.request) in failed)]
+        if not live:
+            return
+        columns = self._verify_columns(live, out)
+        try:
+            sampled, drawn, lps, top = self._draw_verified(live, out, *columns)
+        except Exception as exc:  # noqa: BLE001 - the verification draw failed: these requests fail
+            for seq in live:
+                result.fail(seq.request, exc)
+            return
+        drafted, accepted, emitted = self._accept_verified(live, sampled, drawn, lps, top, result)
+        if self.speculator is not None and drafted:
+            self.speculator.observe(drafted, accepted, emitted, time.perf_counter() - t0)
+
+    def _verify_columns(self, live: list[Sequence], out: StepOutput) -> tuple[list, ...]:
+        """Per verified row (k + 1 per drafted sequence, in order): its logits row, sampling
+        parameters, seed, sample index, position and stop ids (`draw_tokens`'s arguments)."""
         rows: list[int] = []
         params, seeds, indices, steps, stops = [], [], [], [], []
         for seq in live:
@@ -285,27 +333,27 @@ class OutputProcessor:
             indices += [st.index] * (k + 1)
             steps.extend(range(t, t + k + 1))
             stops += [r.stop_ids] * (k + 1)
-        if not live:
-            return
-        dev = out.logits.device
-        try:
-            picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
-            drawn_t = draw_tokens(picked, params, seeds, indices, steps, stops)
-            sampled = self._rejection_sample(live, picked, drawn_t, params, steps, stops)
-            lps = model_logprobs(picked, drawn_t).tolist()
-            drawn = drawn_t.tolist()
-            top = None
-            if any(seq.request.params.top_logprobs for seq in live):
-                kt = max(seq.request.params.top_logprobs for seq in live)
-                values, ids = torch.topk(picked, kt, dim=-1)
-                values = values - torch.logsumexp(picked, dim=-1, keepdim=True)
-                top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        except Exception as exc:  # noqa: BLE001 - the verification draw failed: these requests fail
-            for seq in live:
-                result.fail(seq.request, exc)
-            return
+        return rows, params, seeds, indices, steps, stops
+
+    def _draw_verified(self, live: list[Sequence], out: StepOutput, rows: list[int], params, seeds, indices,
+                       steps, stops) -> tuple[dict[int, int], list[int], list[float], list | None]:
+        """The target's tokens at the verified rows (sampled drafts by rejection sampling), their
+        log-probs and top log-probs: (id(seq) -> accepted count of sampled drafts, drawn, lps, top)."""
+        picked = out.logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=out.logits.device))  # [R, V]
+        drawn_t = draw_tokens(picked, params, seeds, indices, steps, stops)  # [R]
+        sampled = self._rejection_sample(live, picked, drawn_t, params, steps, stops)
+        lps = model_logprobs(picked, drawn_t).tolist()
+        drawn = drawn_t.tolist()
+        return sampled, drawn, lps, _top_logprobs(picked, live)
+
+    def _accept_verified(self, live: list[Sequence], sampled: dict[int, int], drawn: list[int], lps: list[float],
+                         top: list | None, result: StepResult) -> tuple[list[int], list[int], list[int]]:
+        """Emits each sequence's accepted draft tokens and the drawn one after them (stop rules,
+        log-probs, events) and cuts the sequence back to its verified tokens; returns the drafted,
+        accepted and emitted counts of the sequences verified."""
         drafted, accepted, emitted = [], [], []
         at = 0
+        failed = result.failed
         decode = self.decode
         for seq in live:
             st, r = seq.sample, seq.request
@@ -354,8 +402,7 @@ class OutputProcessor:
             if fin:
                 result.sample_ended[id(r)] = r
                 result.finished_seqs.append(seq)
-        if self.speculator is not None and drafted:
-            self.speculator.observe(drafted, accepted, emitted, time.perf_counter() - t0)
+        return drafted, accepted, emitted
 
     @staticmethod
     def _rejection_sample(live: list[Sequence], picked: torch.Tensor, drawn: torch.Tensor, params, steps, stops) -> dict[int, int]:
@@ -422,6 +469,17 @@ class OutputProcessor:
                 stats.path_steps[path] = stats.path_steps.get(path, 0) + 1
                 stats.step_s.append(now - r.last_step_time)
             r.last_step_time = now
+
+
+def _top_logprobs(picked: torch.Tensor, seqs: list[Sequence]) -> list | None:
+    """Each row's top log-probs as [(token id, log-prob), ...], as many as the most any request of
+    `seqs` asks for (each takes its own count of them); None when none asks."""
+    if not any(seq.request.params.top_logprobs for seq in seqs):
+        return None
+    k = max(seq.request.params.top_logprobs for seq in seqs)
+    values, ids = torch.topk(picked, k, dim=-1)  # picked [R, V] -> [R, k]
+    values = values - torch.logsumexp(picked, dim=-1, keepdim=True)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def emit(req: RequestState, event: TokenEvent) -> None:

@@ -80,12 +80,23 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.config.max_batch_tokens
         scheduled: set[int] = set()  # id() of sequences already in this step
-        # (a) decode rows; prompts and recomputes (more than one token pending) are noted for (b)
+        more: list[Sequence] = []  # prompts and recomputes (more than one token pending), for (b)
+        budget = self.config.max_batch_tokens - self._schedule_decodes(batch, scheduled, more)  # (a)
+        if self.speculator is not None and batch.decode:
+            budget -= self._speculate(batch, budget)
+        budget = self._schedule_chunks(batch, scheduled, more, budget)  # (b)
+        budget = self._start_pending_samples(batch, scheduled, budget)  # (c)
+        self._admit_waiting(batch, scheduled, budget)  # (d)
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch, scheduled: set[int], more: list[Sequence]) -> int:
+        """(a) Decode rows (one pending token) and extends (a drawn token and its known run), with
+        slots for them, preempting younger work if blocks run out; prompts and recomputes (more
+        than one token pending) are appended to `more` for (b). Returns the tokens scheduled."""
         metrics, bs = self.metrics, self.kv.block_size
         preemptions = metrics.preempted_samples
-        more: list[Sequence] = []
+        used = 0
         for req in list(self.active):
             if req.status is Status.PREFILLING:
                 more.append(req.prompt_seq)
@@ -98,7 +109,7 @@ class Scheduler:
                     if self._ensure_slot(seq, scheduled, pending):
                         batch.extend.append(seq)
                         scheduled.add(id(seq))
-                        budget -= pending
+                        used += pending
                     continue
                 if pending > 1:
                     more.append(seq)
@@ -110,39 +121,45 @@ class Scheduler:
                 if seq.num_computed < len(seq.block_table) * bs or self._ensure_slot(seq, scheduled):
                     batch.decode.append(seq)
                     scheduled.add(id(seq))
-        budget -= len(batch.decode)
-        if self.speculator is not None and batch.decode:
-            budget -= self._speculate(batch, budget)
+        return used + len(batch.decode)
 
-        def add_chunk(seq: Sequence, cap: int | None = None) -> None:
-            nonlocal budget
-            pending = seq.num_pending
-            known = len(seq.sample.ahead) + 1 if seq.sample is not None and seq.sample.ahead else 0
-            if known and pending == known:  # only the known run is left: it extends (next step if no room)
-                if budget > 0 and self.kv.ensure_slots(seq, known, self.margin()):
-                    batch.extend.append(seq)
-                    scheduled.add(id(seq))
-                    budget -= known
-                return
-            take = min(pending - known, max(budget, 0), cap if cap is not None else budget)  # a recompute stops short of a known run
-            if take <= 0:
-                return
-            if take == 1 and seq.num_pending == 1:
-                batch.decode.append(seq)
-            else:
-                batch.chunks.append((seq, seq.num_computed, seq.num_computed + take))
-            scheduled.add(id(seq))
-            budget -= take
+    def _add_chunk(self, batch: ScheduledBatch, scheduled: set[int], seq: Sequence, budget: int,
+                   cap: int | None = None) -> int:
+        """Schedules the next tokens of a sequence with more than its decode token pending (a
+        prompt chunk, a recompute, or the known run it extends by); returns the tokens taken."""
+        pending = seq.num_pending
+        known = len(seq.sample.ahead) + 1 if seq.sample is not None and seq.sample.ahead else 0
+        if known and pending == known:  # only the known run is left: it extends (next step if no room)
+            if budget > 0 and self.kv.ensure_slots(seq, known, self.margin()):
+                batch.extend.append(seq)
+                scheduled.add(id(seq))
+                return known
+            return 0
+        take = min(pending - known, max(budget, 0), cap if cap is not None else budget)  # a recompute stops short of a known run
+        if take <= 0:
+            return 0
+        if take == 1 and seq.num_pending == 1:
+            batch.decode.append(seq)
+        else:
+            batch.chunks.append((seq, seq.num_computed, seq.num_computed + take))
+        scheduled.add(id(seq))
+        return take
 
-        # (b) prompts being prefilled and samples being recomputed (unless preempted in (a)). While
-        # requests wait to be admitted, a chunk takes at most half the budget left, so that a short
-        # request arriving beside a long prompt is admitted in (d) this step, not after the whole prompt.
-        cap = max(budget // 2, bs) if self.waiting else None
+    def _schedule_chunks(self, batch: ScheduledBatch, scheduled: set[int], more: list[Sequence], budget: int) -> int:
+        """(b) Prompts being prefilled and samples being recomputed (unless preempted in (a)). While
+        requests wait to be admitted, a chunk takes at most half the budget left, so that a short
+        request arriving beside a long prompt is admitted in (d) this step, not after the whole
+        prompt. Returns the budget left."""
+        cap = max(budget // 2, self.kv.block_size) if self.waiting else None
         for seq in more:
             req = seq.request
             if seq is req.prompt_seq or (seq in req.running and id(seq) not in scheduled):
-                add_chunk(seq, cap)
-        # (c) samples waiting for blocks or a row
+                budget -= self._add_chunk(batch, scheduled, seq, budget, cap)
+        return budget
+
+    def _start_pending_samples(self, batch: ScheduledBatch, scheduled: set[int], budget: int) -> int:
+        """(c) Samples waiting for blocks or a row start (fresh samples of a request together, as
+        one lane group), at most `max_num_seqs` running in all. Returns the budget left."""
         for req in self.active:
             slots = self.config.max_num_seqs - self.num_running
             if req.status is not Status.RUNNING or not req.pending or budget <= 0 or slots <= 0:
@@ -151,7 +168,7 @@ class Scheduler:
             if req.params.n > 1 and len(fresh) >= 2:
                 for seq in self.kv.start_lane_group(req, fresh, self.margin()):
                     self._run(req, seq)
-                    add_chunk(seq)
+                    budget -= self._add_chunk(batch, scheduled, seq, budget)
             while req.status is Status.RUNNING and req.pending and budget > 0 and self.num_running < self.config.max_num_seqs:
                 seq = self.kv.start_sample(req, req.pending[0], self.margin())
                 if seq is None:
@@ -160,8 +177,12 @@ class Scheduler:
                         continue
                     break
                 self._run(req, seq)
-                add_chunk(seq)
-        # (d) admit waiting requests
+                budget -= self._add_chunk(batch, scheduled, seq, budget)
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, scheduled: set[int], budget: int) -> None:
+        """(d) Admits waiting requests (in `_admission_order`) while budget is left, each taking its
+        first prompt chunk; the rest wait one more step."""
         for req, cached in self._admission_order():
             if budget <= 0:
                 break
@@ -169,10 +190,9 @@ class Scheduler:
                 continue
             if not self._admit(req):
                 continue
-            add_chunk(req.prompt_seq)
+            budget -= self._add_chunk(batch, scheduled, req.prompt_seq, budget)
         for req in self.waiting:
             req.waited_steps += 1
-        return batch
 
     def _speculate(self, batch: ScheduledBatch, budget: int) -> int:
         """Drafts for the decode rows (the speculator's), each drafted row becoming an extend of its

@@ -377,11 +377,21 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None])
 
 
 def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    server: _Server | None = None
+    app = FastAPI(title="forklm", version="0.1.0", lifespan=_lifespan(llm, config),
+                  description="OpenAI-compatible API of forklm: many samples from one context.")
+    app.state.server = None  # the lifespan's `_Server` (None until the app starts)
+    _register_error_handlers(app)
+    _register_status_routes(app, config)
+    _register_model_routes(app, llm, config)
+    _register_completion_routes(app, config)
+    return app
+
+
+def _lifespan(llm: LLM, config: ServerConfig) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Starts the engine (its `_Server`, in `app.state.server`) with the app and closes its loop after."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal server
         server = _Server(llm, config)
         app.state.server = server
         try:
@@ -389,8 +399,11 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         finally:
             server.loop.close()
 
-    app = FastAPI(title="forklm", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API of forklm: many samples from one context.")
+    return lifespan
+
+
+def _register_error_handlers(app: FastAPI) -> None:
+    """Every error answers in OpenAI's shape: API errors, Starlette's (404, 405, ...) and the rest (500)."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -407,23 +420,30 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
         return JSONResponse(err.body(), status_code=500)
 
-    def check_auth(request: Request) -> None:
-        key = config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "Incorrect API key provided." if given else "Missing API key: send "
-                           "'Authorization: Bearer <key>'.", code="invalid_api_key")
 
-    def check_model(name: str) -> None:
-        if name != config.model_name:
-            raise APIError(404, f"The model `{clip(name)}` does not exist; this server serves `{config.model_name}`.",
-                           param="model", code="model_not_found")
+def _check_auth(request: Request, config: ServerConfig) -> None:
+    key = config.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Incorrect API key provided." if given else "Missing API key: send "
+                       "'Authorization: Bearer <key>'.", code="invalid_api_key")
+
+
+def _check_model(name: str, config: ServerConfig) -> None:
+    if name != config.model_name:
+        raise APIError(404, f"The model `{clip(name)}` does not exist; this server serves `{config.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def _register_status_routes(app: FastAPI, config: ServerConfig) -> None:
+    """GET /health and GET /metrics (open, no API key)."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        server = app.state.server
         alive = server is not None and server.loop._thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
@@ -438,59 +458,68 @@ def create_app(llm: LLM, config: ServerConfig) -> FastAPI:
         async with scrape_lock:
             await asyncio.sleep(max(0.0, last_scrape + config.metrics_interval_s - time.monotonic()))
             last_scrape = time.monotonic()
-            body = server.metrics.render()
+            body = app.state.server.metrics.render()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def _register_model_routes(app: FastAPI, llm: LLM, config: ServerConfig) -> None:
+    """GET /v1/models and GET /v1/models/{id}: the one model served."""
+
     def model_card() -> dict:
-        return {"id": config.model_name, "object": "model", "created": server.created, "owned_by": "forklm",
+        return {"id": config.model_name, "object": "model", "created": app.state.server.created, "owned_by": "forklm",
                 "max_model_len": llm.config.max_position_embeddings}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        check_auth(request)
+        _check_auth(request, config)
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> JSONResponse:
-        check_auth(request)
-        check_model(model_id)
+        _check_auth(request, config)
+        _check_model(model_id, config)
         return JSONResponse(model_card())
 
-    async def handle(request: Request, kind: str) -> Response:
-        status = 500
-        try:
-            check_auth(request)
-            data = await _read_json(request, config.max_body_bytes)
-            body = parse_body(ChatBody if kind == "chat" else CompletionBody, data)
-            check_model(body.model)
-            # tokenizing (and rendering a chat template) a long prompt takes milliseconds:
-            # off the event loop, so streams in flight keep flowing meanwhile
-            jobs = await asyncio.to_thread(server.jobs_for, body)
-            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-            server.submit(jobs, stream_tokens=body.stream, request_id=rid)
-            response = _Responder(server, body, jobs, rid, kind, request)
-            status = 200
-            if body.stream:
-                return _EventStream(response.stream(), on_close=lambda: server.cancel(jobs))
-            return JSONResponse(await response.complete())
-        except APIError as exc:
-            status = exc.status
-            raise
-        except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
-            status = 499
-            return Response(status_code=499)
-        finally:
-            server.metrics.requests.labels(kind, str(status)).inc()
+
+def _register_completion_routes(app: FastAPI, config: ServerConfig) -> None:
+    """POST /v1/completions and POST /v1/chat/completions."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await handle(request, "completions")
+        return await _handle_completion(app.state.server, config, request, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat")
+        return await _handle_completion(app.state.server, config, request, "chat")
 
-    return app
+
+async def _handle_completion(server: _Server, config: ServerConfig, request: Request, kind: str) -> Response:
+    """One completion or chat request ("completions" or "chat"): read, check and submit it, then
+    answer it whole or as a stream; every answer is counted by kind and status."""
+    status = 500
+    try:
+        _check_auth(request, config)
+        data = await _read_json(request, config.max_body_bytes)
+        body = parse_body(ChatBody if kind == "chat" else CompletionBody, data)
+        _check_model(body.model, config)
+        # tokenizing (and rendering a chat template) a long prompt takes milliseconds:
+        # off the event loop, so streams in flight keep flowing meanwhile
+        jobs = await asyncio.to_thread(server.jobs_for, body)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        server.submit(jobs, stream_tokens=body.stream, request_id=rid)
+        response = _Responder(server, body, jobs, rid, kind, request)
+        status = 200
+        if body.stream:
+            return _EventStream(response.stream(), on_close=lambda: server.cancel(jobs))
+        return JSONResponse(await response.complete())
+    except APIError as exc:
+        status = exc.status
+        raise
+    except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
+        status = 499
+        return Response(status_code=499)
+    finally:
+        server.metrics.requests.labels(kind, str(status)).inc()
 
 
 class _EventStream(StreamingResponse):
