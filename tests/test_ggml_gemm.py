@@ -136,7 +136,8 @@ def test_bad_shapes_are_clear_errors():
     for k in (96, 576)  # an odd number of blocks (the last one alone) and the default model's
 ] + [(types, k) for types in (["Q4_K"], ["Q5_K"], ["Q4_K", "Q5_K", "Q4_K"], ["Q6_K"], ["Q6_K", "Q6_K"])
        for k in (256, 1536)])
-def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
+@pytest.mark.parametrize("chunk_rows", [4096, 5])
+def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k, chunk_rows, monkeypatch):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K bytes repacked once for forklm's block kernel
     (quant.stored_block_weights: Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks with minimum −8d / −16d; the
     K-quants' values in Q4_1's order, their 6-bit scales a byte each) hold the values gguf's numpy
@@ -144,6 +145,7 @@ def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
     the kernel's product is its slow reference's."""
     from forklm.models import quant
 
+    monkeypatch.setattr(quant, "REPACK_CHUNK_ROWS", chunk_rows)  # a permuted part gathered whole, or 5 rows at a time
     gen = torch.Generator().manual_seed(zlib.crc32("".join(types).encode()) + k)
     parts, want = [], []
     for i, t in enumerate(types):
@@ -158,3 +160,17 @@ def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
     assert torch.equal(w.dequantize(), torch.cat(want))
     x = torch.randn(5, k, generator=gen)
     assert ((block_gemm.gemm(x, w) - block_gemm.gemm_reference(x, w)).norm() / block_gemm.gemm_reference(x, w).norm()) < 1e-5
+
+
+@pytest.mark.parametrize("type_name,factor", [("Q4_0", -8), ("Q5_0", -16)])
+def test_a_minimum_that_overflows_float16_is_refused(type_name, factor):
+    """Q4_0 / Q5_0 run as Q4_1 / Q5_1 with minimum factor·d in float16: a block whose d is too large for
+    that is refused with the count and the rule, never written as an infinity."""
+    from forklm.models import quant
+
+    gen = torch.Generator().manual_seed(3)
+    rows = random_rows(type_name, 9, 64, gen)
+    huge = torch.tensor([60000.0], dtype=torch.float16).view(torch.uint8)
+    rows[4, 0:2] = huge  # row 4, block 0: d = 60000, so factor·d overflows
+    with pytest.raises(ValueError, match=rf"1 {type_name} blocks' minimum {factor}d overflows float16"):
+        quant.stored_block_weights([ggml_gemm.GGMLWeights(rows, type_name, 9, 64)])

@@ -84,20 +84,32 @@ def test_a_build_lives_in_forklms_cache_and_a_second_process_reuses_it(tmp_path,
     src = tmp_path / "good.cpp"
     src.write_text(GOOD)
     code = ("import sys; from pathlib import Path; from forklm.kernels import native; "
-            f"m = native.load_extension('forklm_test_twice', Path({str(src)!r}), ['-O1']); print(m.twice(21))")
+            f"m = native.load_extension('forklm_test_twice', Path({str(src)!r}), ['-O1']); print(m.twice(21)); "
+            "print('torch.utils.cpp_extension' in sys.modules)")
     env = {**__import__("os").environ, "FORKLM_CACHE_DIR": str(cache.parent)}
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert first.returncode == 0 and first.stdout.strip() == "42", first.stderr
+    assert first.returncode == 0 and first.stdout.split() == ["42", "True"], first.stderr
     [folder] = list(cache.iterdir())
     [so] = list(folder.glob("*.so"))
     built_at = so.stat().st_mtime_ns
-    (folder / "lock").touch()  # torch's lock file as a build killed half-way leaves it: no waiting on it forever
+    assert (folder / native.BUILT).exists()
+    # a finished build is imported directly, without torch's build machinery (about 0.15 s a process)
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert second.returncode == 0 and second.stdout.strip() == "42", second.stderr
+    assert second.returncode == 0 and second.stdout.split() == ["42", "False"], second.stderr
     assert so.stat().st_mtime_ns == built_at and list(cache.iterdir()) == [folder]  # not rebuilt
-    src.write_text(GOOD.replace("2 * x", "2 * x + 0"))  # another version of the source: its own folder
+    # no record of a finished build (a build killed half-way), and torch's lock file as such a build leaves
+    # it: torch's loader decides, without waiting on the stale lock forever, and the record is written again
+    (folder / native.BUILT).unlink()
+    (folder / "lock").touch()
     third = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert third.returncode == 0 and len(list(cache.iterdir())) == 2
+    assert third.returncode == 0 and third.stdout.split() == ["42", "True"], third.stderr
+    assert so.stat().st_mtime_ns == built_at and (folder / native.BUILT).exists()
+    (folder / native.BUILT).write_text("0 0\n")  # a binary other than the one recorded: not imported directly
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert again.returncode == 0 and again.stdout.split() == ["42", "True"], again.stderr
+    src.write_text(GOOD.replace("2 * x", "2 * x + 0"))  # another version of the source: its own folder
+    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert other.returncode == 0 and len(list(cache.iterdir())) == 2
     assert so.stat().st_mtime_ns == built_at  # the first version's build untouched
 
 

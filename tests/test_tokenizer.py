@@ -232,6 +232,27 @@ def test_gguf_padding_tokens_are_not_tokens():
     assert t.vocab_size == n and t.decode(t.encode("[PAD300] hello")) == "[PAD300] hello"
 
 
+def _vocab_size_the_slow_way(t: Tokenizer) -> int:
+    return max(t._tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def test_gguf_vocab_size_is_the_largest_id_plus_one(tok):
+    """A GGUF tokenizer knows its vocab_size at build time (the largest id its pieces keep) instead of
+    asking the backend for its whole vocabulary; the two agree, a repeated piece (the first id keeps
+    it) and a special token stored as raw text included."""
+    assert tok.vocab_size == _vocab_size_the_slow_way(tok) == 49152
+    meta = _byte_vocab_meta("qwen2")
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + ["hello"]  # the last id repeats a piece
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [1]
+    t = Tokenizer.from_gguf_fields(meta)
+    assert "vocab_size" in t.__dict__ and t.vocab_size == _vocab_size_the_slow_way(t)
+    meta = _byte_vocab_meta("qwen2")
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + ["<raw unknown>"]  # type UNKNOWN, raw text
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [2]
+    t = Tokenizer.from_gguf_fields(meta)
+    assert t.vocab_size == _vocab_size_the_slow_way(t)
+
+
 def test_unknown_pre_tokenizer_is_refused_by_name():
     """It used to fall back to GPT-2's regex silently: text round-trips, but words split unlike in training."""
     from forklm.errors import UnsupportedModelError

@@ -380,6 +380,15 @@ def gemm(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tensor | None =
     return getattr(ext, f"gemm_{w.kind}")(x, *w.kernel_arrays(), mode, norm_weight, eps, residual)
 
 
+def repack_rows(type_name: str, raw: torch.Tensor, row0: int, qs: torch.Tensor, d: torch.Tensor,
+                m: torch.Tensor | None = None, qh: torch.Tensor | None = None, sc: torch.Tensor | None = None,
+                mq: torch.Tensor | None = None, q2: torch.Tensor | None = None) -> int:
+    """GGUF blocks of `type_name` as stored (uint8 [r, row bytes]) -> rows row0 .. row0 + r of the
+    kernel's arrays (before `block_minima` groups m / mq / dm), in one C++ pass (see
+    `models.quant.stored_block_weights`); returns how many Q4_0 / Q5_0 blocks' minimum overflows float16."""
+    return _extension().repack_rows(type_name, raw, row0, qs, d, m, qh, sc, mq, q2)
+
+
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's own activation quantization (for tests): q int8 [T, K], d, d·Σq float32 [T, K/32]."""
     q, d, s = _extension().quantize_q8(x)

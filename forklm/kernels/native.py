@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 FAILED = "FAILED"
+BUILT = "BUILT"  # written after a build loaded: the binary's size and mtime, so a later process imports it directly
 _warned: set[str] = set()
 
 
@@ -79,20 +80,27 @@ def load_extension(name: str, source: Path, cflags: list[str], ldflags: list[str
                    include_paths: list[str] | None = None):
     """The built module `name` from `source` (built here on the first call on this machine), or
     BuildError with the cause, recorded so that no later process retries the same build."""
-    from torch.utils.cpp_extension import load
-
     ldflags, include_paths = list(ldflags or []), list(include_paths or [])
     directory = build_directory(name, build_key(source, cflags, ldflags, include_paths))
     failed = directory / FAILED
     if failed.exists() and os.environ.get("FORKLM_REBUILD") != "1":
         raise BuildError(f"{failed.read_text().strip()} (recorded in {directory}; delete it or set FORKLM_REBUILD=1 "
                          "to build again)")
+    rebuild = os.environ.get("FORKLM_REBUILD") == "1"
+    module = None if rebuild else _import_built(name, directory)
+    if module is not None:
+        return module
+    from torch.utils.cpp_extension import load  # here: a finished build is imported without it
+
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with _build_lock(directory):
-            return load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
-                        extra_include_paths=include_paths, build_directory=str(directory),
-                        verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1")
+            (directory / BUILT).unlink(missing_ok=True)
+            module = load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
+                          extra_include_paths=include_paths, build_directory=str(directory),
+                          verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1")
+            _record_built(name, directory)
+            return module
     except Exception as e:  # noqa: BLE001 - the compiler's or linker's failure, recorded and reported
         reason = _one_line(e)
         if isinstance(e, (ImportError, OSError)):  # a binary that could not be opened: not the build's verdict
@@ -102,6 +110,45 @@ def load_extension(name: str, source: Path, cflags: list[str], ldflags: list[str
         except OSError:
             pass
         raise BuildError(f"{reason} (recorded in {directory})") from e
+
+
+def _binary(name: str, directory: Path) -> Path:
+    return directory / f"{name}.so"  # torch.utils.cpp_extension's name for a Python module on Linux / macOS
+
+
+def _stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def _record_built(name: str, directory: Path) -> None:
+    try:
+        (directory / BUILT).write_text(_stamp(_binary(name, directory)) + "\n")
+    except OSError:  # a read-only cache: the next process goes through torch's loader, as this one did
+        pass
+
+
+def _import_built(name: str, directory: Path):
+    """The module a finished build left in `directory`, imported without torch's build machinery
+    (importing torch.utils.cpp_extension and running ninja's check cost about 0.15 s per process), or
+    None where no build finished there or the binary changed since (then `load` decides)."""
+    import importlib.util
+
+    binary = _binary(name, directory)
+    try:
+        if (directory / BUILT).read_text().strip() != _stamp(binary):
+            return None
+    except OSError:
+        return None
+    spec = importlib.util.spec_from_file_location(name, binary)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):  # torch's loader tries again and reports what it finds
+        return None
+    return module
 
 
 def warn_once(kernel: str, reason: str, fallback: str) -> None:

@@ -12,6 +12,7 @@ dims slowest first), so the gguf package's dequantization takes it as is.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,16 @@ class _Cursor:
         return out
 
 
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
 def release_pages(view) -> None:
     """Drops the pages of a view of the read-only file mapping from this process's resident set
     (madvise DONTNEED: they stay in the page cache and read back on a later touch). Called once a
@@ -105,9 +116,8 @@ def release_pages(view) -> None:
     import ctypes
     import mmap
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+    libc = _libc()
+    if libc is None:
         return
     addr = view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data
     nbytes = view.numel() * view.element_size() if hasattr(view, "numel") else view.nbytes

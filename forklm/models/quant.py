@@ -318,151 +318,67 @@ def block_kernel_kind(type_names) -> str | None:
     return {frozenset({"q4_1", "q5_1"}): "q5_1", frozenset({"q4_k", "q5_k"}): "q5_k"}.get(frozenset(kinds))
 
 
-def _k_quant_rows(blocks: torch.Tensor, type_name: str):
-    """Q4_K / Q5_K blocks uint8 [n, K/256, 144 | 176] -> (values uint8 [n, K] in 0..31, ds and −dmin
-    float16 [n, K/256], sc and mq uint8 [n, K/32]), as ggml's dequantize_row_q4_K / q5_K read them."""
-    n, nsb, _ = blocks.shape
-    ds = blocks[..., 0:2].contiguous().view(torch.float16).view(n, nsb)
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).view(n, nsb)
-    packed = blocks[..., 4:16]  # 8 scales and 8 minima of 6 bits (get_scale_min_k4)
-    sc = torch.cat([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1)
-    mq = torch.cat([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1)
-    qs = blocks[..., -128:].reshape(n, nsb, 4, 1, 32)  # per 64 values: 32 bytes, low nibbles then high
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=3)  # [n, nsb, 4, 2, 32]: value 64c + 32h + l
-    if type_name == "Q5_K":  # bit 2c + h of byte l of qh: value 64c + 32h + l's fifth bit
-        qh = blocks[..., 16:48].reshape(n, nsb, 1, 32)
-        bits = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1  # [n, nsb, 8, 32]
-        q = q | (bits.view(n, nsb, 4, 2, 32) << 4)
-    return q.reshape(n, nsb * 256), ds, (-dmin.float()).half(), sc.reshape(n, nsb * 8), mq.reshape(n, nsb * 8)
+REPACK_CHUNK_ROWS = 4096  # rows of a permuted part gathered at a time (the repack's one temporary)
 
 
-def _q6_k_rows(blocks: torch.Tensor):
-    """Q6_K blocks uint8 [n, K/256, 210] -> (values uint8 [n, K] in 0..63 (q + 32), ds float16
-    [n, K/256], sc int8 [n, K/16]), as ggml's dequantize_row_q6_K reads them."""
-    n, nsb, _ = blocks.shape
-    ql = blocks[..., 0:128].reshape(n, nsb, 2, 1, 64)  # per half of 128 values: 64 bytes of nibbles
-    qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32)  # and 32 bytes of 2-bit pairs
-    low = torch.cat([ql & 0x0F, ql >> 4], dim=3).reshape(n, nsb, 2, 4, 32)  # value 32k + l of the half
-    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [n, nsb, 2, 4, 32]
-    q = (low | (high << 4)).reshape(n, nsb * 256)
-    sc = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, nsb * 16)
-    ds = blocks[..., 208:210].contiguous().view(torch.float16).view(n, nsb)
-    return q, ds, sc
-
-
-def _row_chunks(parts: list[GGMLWeights], rows: int = 1024):
-    """(output rows, stored bytes uint8 [r, row_bytes], part) of the fused parts, a chunk of rows at
-    a time in Hugging Face order (the repack's temporaries stay a chunk's size); each part's file
-    pages are released once it is read."""
+def _stored_rows(parts: list[GGMLWeights]):
+    """(first output row, stored bytes uint8 [r, row_bytes], part) of the fused parts in Hugging Face
+    order: a part stored in that order whole (a view of the file, no copy), a permuted one (GGUF's
+    q / k row order) gathered a chunk of rows at a time; each part's file pages are released once it is
+    read, so the file's copy and the repacked one are never both resident."""
     from forklm.models.gguf_file import release_pages
 
     r = 0
     for p in parts:
-        for c0 in range(0, p.n, rows):
-            ids = torch.arange(c0, min(p.n, c0 + rows))
-            yield slice(r + c0, r + c0 + len(ids)), (p.stored_rows(ids) if p.row_order is not None else p.data[ids]), p
+        if p.row_order is None:
+            yield r, p.data.contiguous(), p
+        else:
+            for c0 in range(0, p.n, REPACK_CHUNK_ROWS):
+                ids = torch.arange(c0, min(p.n, c0 + REPACK_CHUNK_ROWS))
+                yield r + c0, p.stored_rows(ids).contiguous(), p
         r += p.n
         if p.mapped:
             release_pages(p.data)
 
 
-def stored_q6_k_weights(parts: list[GGMLWeights]):
-    """GGUF Q6_K parts fused along `out` in the block kernel's q6_k layout (`BlockWeights`): every
-    value as stored, 6.6 bits a weight as in the file."""
-    from forklm.kernels import block_gemm
-
-    n, k = sum(p.n for p in parts), parts[0].k
-    qs, q2 = torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // 4, dtype=torch.uint8)
-    ds, sc = torch.empty(n, k // 256, dtype=torch.float16), torch.empty(n, k // 16, dtype=torch.int8)
-    for rows, raw, _ in _row_chunks(parts):
-        q, ds[rows], sc[rows] = _q6_k_rows(raw.view(raw.shape[0], k // 256, -1))
-        qs[rows], q2[rows] = block_gemm.pack_nibbles(q), block_gemm.two_bit_planes(q)
-    return block_gemm.BlockWeights("q6_k", qs, ds, None, n, k, sc=sc, q2=q2)
-
-
-def stored_k_quant_weights(parts: list[GGMLWeights], kind: str):
-    """GGUF Q4_K / Q5_K parts fused along `out` in the block kernel's q4_k / q5_k layout: the values
-    repacked into Q4_1's nibble order (and Q5_1's fifth-bit words), the 6-bit scales and minima
-    unpacked to a byte each beside the float16 super-block scales: every value as stored, 4.6 / 5.6
-    bits a weight against the file's 4.5 / 5.5."""
-    from forklm.kernels import block_gemm
-
-    n, k = sum(p.n for p in parts), parts[0].k
-    nb, nsb = k // 32, k // 256
-    qs = torch.empty(n, k // 2, dtype=torch.uint8)
-    qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" else None
-    ds, dm = torch.empty(n, nsb, dtype=torch.float16), torch.empty(n, nsb, dtype=torch.float16)
-    sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
-    for rows, raw, part in _row_chunks(parts):
-        q, ds[rows], dm[rows], sc[rows], mq[rows] = _k_quant_rows(raw.view(raw.shape[0], nsb, -1), part.type_name)
-        qs[rows] = block_gemm.pack_nibbles(q)
-        if qh is not None:
-            qh[rows] = block_gemm.fifth_bit_words(q)
-    return block_gemm.BlockWeights(kind, qs, ds, block_gemm.block_minima(mq), n, k, qh, sc, block_gemm.block_minima(dm))
-
-
 def stored_block_weights(parts: list[GGMLWeights]):
-    """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`), sliced
-    straight from the stored bytes (its 4-bit layout is GGUF's own: value j in the low nibble of byte
-    j, value j + 16 in the high one; a 5-bit value's fifth bit in word qh), no values unpacked. Q4_0
-    becomes Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact; ValueError where the
-    minimum overflows float16)."""
+    """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`,
+    `block_gemm.BlockWeights`), repacked from the stored bytes in one C++ pass (`repack_rows`): every
+    value as stored. Q4_0 / Q4_1 keep GGUF's nibbles (value j in the low nibble of byte j, value j + 16
+    in the high one); Q4_0 becomes Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact;
+    ValueError where the minimum overflows float16); Q4_K / Q5_K values take Q4_1's nibble order
+    with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
+    5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own."""
     from forklm.kernels import block_gemm
-    from forklm.models.gguf_file import release_pages
 
     kind = block_kernel_kind([p.type_name for p in parts])
     if kind is None:
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
+    n, k = sum(p.n for p in parts), parts[0].k
+    nb, nsb = k // 32, k // 256
+    k_quant = kind in ("q4_k", "q5_k", "q6_k")
+    qs = torch.empty(n, k if kind == "q8_0" else k // 2, dtype=torch.uint8)
+    d = torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    m = None if kind in ("q8_0", "q6_k") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
+    sc = mq = q2 = None
     if kind in ("q4_k", "q5_k"):
-        return stored_k_quant_weights(parts, kind)
+        sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
+    elif kind == "q6_k":
+        sc, q2 = torch.empty(n, k // 16, dtype=torch.int8), torch.empty(n, k // 4, dtype=torch.uint8)
+    for row0, raw, part in _stored_rows(parts):
+        overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc, mq, q2)
+        if overflowing:
+            factor = -8 if part.type_name == "Q4_0" else -16
+            raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")
+    if kind == "q8_0":
+        return block_gemm.BlockWeights("q8_0", qs.view(torch.int8), d, None, n, k)
     if kind == "q6_k":
-        return stored_q6_k_weights(parts)
-    n, k, nb = sum(p.n for p in parts), parts[0].k, parts[0].k // 32
-    q8 = kind == "q8_0"
-    # the outputs allocated once and each part copied into its rows: one copy of the weights at a time
-    q = torch.empty(n, nb, 32 if q8 else 16, dtype=torch.uint8)
-    d = torch.empty(n, nb, 2, dtype=torch.uint8)
-    m = None if q8 else torch.empty(n, nb, 2, dtype=torch.uint8)
-    qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_1" else None
-
-    def minima_of(scales: torch.Tensor, factor: int, name: str) -> torch.Tensor:  # fp16 bytes -> factor·d
-        mins = (scales.contiguous().view(torch.float16).float() * factor).half()
-        if not torch.isfinite(mins).all():
-            raise ValueError(f"a {name} block's minimum {factor}d overflows float16")
-        return mins.view(torch.uint8).view(scales.shape)
-
-    r = 0
-    for p in parts:
-        raw = p.stored_rows(torch.arange(p.n)) if p.row_order is not None else p.data
-        blocks = raw.view(p.n, nb, -1)
-        rows = slice(r, r + p.n)
-        d[rows] = blocks[..., 0:2]
-        t = p.type_name
-        if t == "Q4_1":  # d, m, 16 bytes of values
-            m[rows] = blocks[..., 2:4]
-            q[rows] = blocks[..., 4:20]
-        elif t == "Q4_0":  # d, 16 bytes; w = d·(q − 8)
-            m[rows] = minima_of(blocks[..., 0:2], -8, t)
-            q[rows] = blocks[..., 2:18]
-        elif t == "Q5_0":  # d, 4 bytes of fifth bits, 16 bytes; w = d·(q − 16)
-            m[rows] = minima_of(blocks[..., 0:2], -16, t)
-            qh[rows] = blocks[..., 2:6].contiguous().view(torch.int32).view(p.n, nb)
-            q[rows] = blocks[..., 6:22]
-        elif t == "Q5_1":  # d, m, 4 bytes of fifth bits, 16 bytes
-            m[rows] = blocks[..., 2:4]
-            qh[rows] = blocks[..., 4:8].contiguous().view(torch.int32).view(p.n, nb)
-            q[rows] = blocks[..., 8:24]
-        else:  # Q8_0: d, 32 int8
-            q[rows] = blocks[..., 2:34]
-        r += p.n
-        if p.mapped:  # repacked: the file's pages of this tensor leave the resident set
-            release_pages(p.data)
-    d = d.view(torch.float16).view(n, nb)
-    if q8:
-        return block_gemm.BlockWeights("q8_0", q.view(n, k).view(torch.int8), d, None, n, k)
-    minima = block_gemm.block_minima(m.view(torch.float16).view(n, nb))
-    return block_gemm.BlockWeights(kind, q.view(n, k // 2), d, minima, n, k,
-                                   None if qh is None else block_gemm.arrange_high_bits(qh))
+        return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
+    if kind in ("q4_k", "q5_k"):
+        return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
+                                       block_gemm.block_minima(m))
+    return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 
 
 def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None):

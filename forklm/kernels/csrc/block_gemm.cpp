@@ -25,6 +25,7 @@
 
 #include "simd_math.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -896,16 +897,230 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x_in) {
   return {r.q, r.d, r.s};
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Repacking at load: GGUF blocks as the file stores them -> the arrays above, every value as
+// stored (no requantization). One pass over the stored bytes, rows split across threads; rows
+// [row0, row0 + r) of the outputs are written. Returns the number of Q4_0 / Q5_0 blocks whose
+// minimum (−8d / −16d) overflows float16 (the caller refuses the tensor).
+
+inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t load_u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// GGUF's fifth-bit words (bit j: value j of the block) -> the kernel's arrangement: per block pair
+// (b, b+1), word b = low halves of both, word b+1 = high halves of both; a lone last block keeps its word.
+inline void arrange_high_bits_row(uint32_t* w, int64_t nb) {
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    const uint32_t lo = w[b], hi = w[b + 1];
+    w[b] = (lo & 0xFFFFu) | (hi << 16);
+    w[b + 1] = (lo >> 16) | (hi & 0xFFFF0000u);
+  }
+}
+
+inline uint16_t scaled_half(uint16_t d, float factor, bool* overflow) {
+  const float m = half_to_float(d) * factor;
+  const uint16_t h = _cvtss_sh(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  *overflow = !std::isfinite(half_to_float(h));
+  return h;
+}
+
+enum class Stored { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Unknown };
+
+Stored stored_type(const std::string& t) {
+  return t == "Q4_0" ? Stored::Q4_0 : t == "Q4_1" ? Stored::Q4_1 : t == "Q5_0" ? Stored::Q5_0
+         : t == "Q5_1" ? Stored::Q5_1 : t == "Q8_0" ? Stored::Q8_0 : t == "Q4_K" ? Stored::Q4_K
+         : t == "Q5_K" ? Stored::Q5_K : t == "Q6_K" ? Stored::Q6_K : Stored::Unknown;
+}
+
+// one row of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks (32 values each)
+int64_t repack_legacy_row(Stored type, const uint8_t* src, int64_t nb, uint8_t* qs, uint16_t* d,
+                          uint16_t* m, uint32_t* qh) {
+  int64_t bad = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    bool over = false;
+    if (type == Stored::Q8_0) {  // d, 32 int8
+      const uint8_t* x = src + b * 34;
+      d[b] = load_u16(x);
+      std::memcpy(qs + b * 32, x + 2, 32);
+    } else if (type == Stored::Q4_1) {  // d, m, 16 bytes of nibbles
+      const uint8_t* x = src + b * 20;
+      d[b] = load_u16(x), m[b] = load_u16(x + 2);
+      std::memcpy(qs + b * 16, x + 4, 16);
+    } else if (type == Stored::Q4_0) {  // d, 16 bytes; w = d·(q − 8)
+      const uint8_t* x = src + b * 18;
+      d[b] = load_u16(x), m[b] = scaled_half(d[b], -8.f, &over);
+      std::memcpy(qs + b * 16, x + 2, 16);
+    } else if (type == Stored::Q5_0) {  // d, 4 bytes of fifth bits, 16 bytes; w = d·(q − 16)
+      const uint8_t* x = src + b * 22;
+      d[b] = load_u16(x), m[b] = scaled_half(d[b], -16.f, &over);
+      qh[b] = load_u32(x + 2);
+      std::memcpy(qs + b * 16, x + 6, 16);
+    } else {  // Q5_1: d, m, 4 bytes of fifth bits, 16 bytes
+      const uint8_t* x = src + b * 24;
+      d[b] = load_u16(x), m[b] = load_u16(x + 2);
+      qh[b] = load_u32(x + 4);
+      std::memcpy(qs + b * 16, x + 8, 16);
+    }
+    bad += over;
+  }
+  if (qh != nullptr) arrange_high_bits_row(qh, nb);
+  return bad;
+}
+
+// one row of Q4_K / Q5_K super-blocks (256 values: ds, dmin, 12 bytes of 6-bit scales and minima,
+// [Q5_K: 32 bytes of fifth bits,] 128 bytes of nibbles), as ggml's dequantize_row_q4_K / q5_K read them
+void repack_k_row(bool five, const uint8_t* src, int64_t nsb, uint8_t* qs, uint16_t* ds, uint16_t* dm,
+                  uint8_t* sc, uint8_t* mq, uint32_t* qh) {
+  const int64_t size = five ? 176 : 144;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* x = src + s * size;
+    ds[s] = load_u16(x);
+    dm[s] = load_u16(x + 2) ^ 0x8000u;  // −dmin (exact)
+    const uint8_t* p = x + 4;
+    for (int j = 0; j < 4; ++j) {
+      sc[s * 8 + j] = p[j] & 63, mq[s * 8 + j] = p[j + 4] & 63;
+      sc[s * 8 + j + 4] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
+      mq[s * 8 + j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+    const uint8_t* hb = x + 16;  // Q5_K's fifth bits: value 64c + 32h + l's is bit 2c + h of hb[l]
+    const uint8_t* q = x + (five ? 48 : 16);  // per 64 values: 32 bytes, low nibbles then high
+    for (int c = 0; c < 4; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t blk = s * 8 + 2 * c + h;  // values 64c + 32h + l, l in 0..31
+        uint8_t* out = qs + blk * 16;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t a = h ? q[32 * c + j] >> 4 : q[32 * c + j] & 0x0F;
+          const uint8_t b = h ? q[32 * c + j + 16] >> 4 : q[32 * c + j + 16] & 0x0F;
+          out[j] = a | (b << 4);
+        }
+        if (qh != nullptr) {
+          uint32_t w = 0;
+          if (five)
+            for (int l = 0; l < 32; ++l) w |= uint32_t((hb[l] >> (2 * c + h)) & 1) << l;
+          qh[blk] = w;
+        }
+      }
+    }
+  }
+  if (qh != nullptr) arrange_high_bits_row(qh, nsb * 8);
+}
+
+// one row of Q6_K super-blocks (256 values: 128 bytes of low nibbles, 64 of 2-bit pairs, 16 int8
+// scales, d), as ggml's dequantize_row_q6_K reads them: values q + 32 in 0..63
+void repack_q6_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint8_t* q2, uint16_t* ds, int8_t* sc) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* x = src + s * 210;
+    uint8_t v[256];
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = x + 64 * half;
+      const uint8_t* qh = x + 128 + 32 * half;
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = ql[32 * (k & 1) + l];
+          const uint8_t low = (k >> 1) ? byte >> 4 : byte & 0x0F;
+          v[128 * half + 32 * k + l] = low | (((qh[l] >> (2 * k)) & 3) << 4);
+        }
+    }
+    for (int blk = 0; blk < 8; ++blk) {
+      const uint8_t* vb = v + 32 * blk;
+      uint8_t* out = qs + (s * 8 + blk) * 16;
+      for (int j = 0; j < 16; ++j) out[j] = (vb[j] & 0x0F) | ((vb[j + 16] & 0x0F) << 4);
+      uint8_t* planes = q2 + (s * 8 + blk) * 8;
+      for (int j = 0; j < 8; ++j)
+        planes[j] = (vb[j] >> 4) | ((vb[j + 8] >> 4) << 2) | ((vb[j + 16] >> 4) << 4) | ((vb[j + 24] >> 4) << 6);
+    }
+    std::memcpy(sc + s * 16, x + 192, 16);
+    ds[s] = load_u16(x + 208);
+  }
+}
+
+template <typename T>
+T* rows_of(const std::optional<torch::Tensor>& t, int64_t row0, const char* name, int64_t n) {
+  TORCH_CHECK(t.has_value() && t->is_contiguous() && t->dim() >= 1 && t->size(0) == n, "repack: ", name,
+              " must be a contiguous array with one row per output");
+  return reinterpret_cast<T*>(t->data_ptr()) + row0 * (t->numel() / n);
+}
+
+int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int64_t row0, const torch::Tensor& qs,
+                    const torch::Tensor& d, const std::optional<torch::Tensor>& m,
+                    const std::optional<torch::Tensor>& qh, const std::optional<torch::Tensor>& sc,
+                    const std::optional<torch::Tensor>& mq, const std::optional<torch::Tensor>& q2) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(),
+              "repack: stored rows must be a contiguous uint8 matrix");
+  const Stored type = stored_type(type_name);
+  const int64_t n = qs.size(0), r = raw.size(0), bytes = raw.size(1);
+  TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
+  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 0};
+  const int64_t block_bytes = kBlockBytes[static_cast<int>(type)];
+  TORCH_CHECK(block_bytes > 0, "repack: no block-kernel layout for GGUF type ", type_name);
+  TORCH_CHECK(bytes % block_bytes == 0, "repack: a row of ", bytes, " bytes is not whole ", type_name, " blocks");
+  const bool legacy = block_bytes <= 34, q8 = type == Stored::Q8_0, q6 = type == Stored::Q6_K;
+  const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
+  const int64_t nb = legacy ? blocks : blocks * 8;  // blocks of 32 per row
+  const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
+  uint8_t* qs_p = rows_of<uint8_t>(qs_opt, row0, "qs", n);
+  uint16_t* d_p = rows_of<uint16_t>(d_opt, row0, "d", n);
+  uint16_t* m_p = m.has_value() ? rows_of<uint16_t>(m, row0, "m", n) : nullptr;
+  uint32_t* qh_p = qh.has_value() ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
+  TORCH_CHECK(qs.numel() / n == (q8 ? nb * 32 : nb * 16), "repack: qs has the wrong width");
+  TORCH_CHECK(d.numel() / n == blocks, "repack: d has the wrong width");
+  TORCH_CHECK(m_p != nullptr || q8 || q6, "repack: ", type_name, " needs m");
+  TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
+              "repack: ", type_name, " needs qh");
+  TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
+  TORCH_CHECK(qh_p == nullptr || qh->numel() / n == nb, "repack: qh has the wrong width");
+  uint8_t *sc_p = nullptr, *mq_p = nullptr, *q2_p = nullptr;
+  if (type == Stored::Q4_K || type == Stored::Q5_K) {
+    sc_p = rows_of<uint8_t>(sc, row0, "sc", n), mq_p = rows_of<uint8_t>(mq, row0, "mq", n);
+    TORCH_CHECK(sc->numel() / n == nb && mq->numel() / n == nb, "repack: sc / mq have the wrong width");
+  } else if (q6) {
+    sc_p = rows_of<uint8_t>(sc, row0, "sc", n), q2_p = rows_of<uint8_t>(q2, row0, "q2", n);
+    TORCH_CHECK(sc->numel() / n == blocks * 16 && q2->numel() / n == nb * 8, "repack: sc / q2 have the wrong width");
+  }
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  std::atomic<int64_t> bad{0};
+  at::parallel_for(0, r, 64, [&](int64_t begin, int64_t end) {
+    int64_t local = 0;
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = src + i * bytes;
+      if (legacy) {
+        local += repack_legacy_row(type, row, nb, qs_p + i * (q8 ? nb * 32 : nb * 16), d_p + i * nb,
+                                   m_p ? m_p + i * nb : nullptr, qh_p ? qh_p + i * nb : nullptr);
+      } else if (q6) {
+        repack_q6_k_row(row, blocks, qs_p + i * nb * 16, q2_p + i * nb * 8, d_p + i * blocks,
+                        reinterpret_cast<int8_t*>(sc_p) + i * blocks * 16);
+      } else {
+        repack_k_row(type == Stored::Q5_K, row, blocks, qs_p + i * nb * 16, d_p + i * blocks, m_p + i * blocks,
+                     sc_p + i * nb, mq_p + i * nb, qh_p ? qh_p + i * nb : nullptr);
+      }
+    }
+    bad += local;
+  });
+  return bad.load();
+}
 }  // namespace
 
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])");
-  m.def("gemm_q5_1", &gemm_q5_1, "y [T, N] = x [T, K] float32 times Q5_1 weights (Q4_1's arrays and the fifth bits qh int32 [N, K/32])");
-  m.def("gemm_q4_k", &gemm_q4_k, "y [T, N] = x [T, K] float32 times Q4_K values in Q4_1's layout with K-quant scales (ds fp16 [N, K/256], sc uint8 [N, K/32], mq uint8 [ceil(N/8), K/32, 8], dm fp16 [ceil(N/8), K/256, 8])");
-  m.def("gemm_q5_k", &gemm_q5_k, "y [T, N] = x [T, K] float32 times Q5_K values (gemm_q4_k's arrays and the fifth bits qh int32 [N, K/32])");
-  m.def("gemm_q6_k", &gemm_q6_k, "y [T, N] = x [T, K] float32 times Q6_K values (qs uint8 [N, K/2] low nibbles as Q4_1's, q2 uint8 [N, K/4] bits 4-5, ds fp16 [N, K/256], sc int8 [N, K/16])");
-  m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])");
-  m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])");
+  m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q5_1", &gemm_q5_1, "y [T, N] = x [T, K] float32 times Q5_1 weights (Q4_1's arrays and the fifth bits qh int32 [N, K/32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q4_k", &gemm_q4_k, "y [T, N] = x [T, K] float32 times Q4_K values in Q4_1's layout with K-quant scales (ds fp16 [N, K/256], sc uint8 [N, K/32], mq uint8 [ceil(N/8), K/32, 8], dm fp16 [ceil(N/8), K/256, 8])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q5_k", &gemm_q5_k, "y [T, N] = x [T, K] float32 times Q5_K values (gemm_q4_k's arrays and the fifth bits qh int32 [N, K/32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q6_k", &gemm_q6_k, "y [T, N] = x [T, K] float32 times Q6_K values (qs uint8 [N, K/2] low nibbles as Q4_1's, q2 uint8 [N, K/4] bits 4-5, ds fp16 [N, K/256], sc int8 [N, K/16])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("repack_rows", &repack_rows,
+        "GGUF blocks (uint8 [r, row bytes], type by name) -> rows row0.. of the kernel's arrays; returns the "
+        "number of Q4_0 / Q5_0 blocks whose minimum overflows float16",
+        py::arg("type"), py::arg("raw"), py::arg("row0"), py::arg("qs"), py::arg("d"), py::arg("m") = py::none(),
+        py::arg("qh") = py::none(), py::arg("sc") = py::none(), py::arg("mq") = py::none(),
+        py::arg("q2") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])",
+        py::call_guard<py::gil_scoped_release>());
 }
 #endif
