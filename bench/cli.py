@@ -24,10 +24,11 @@ COMMANDS = {
 # studies with their own options, run as `python -m bench.<module> --help`
 MODULES = ("attention_sweep", "block_kernel_crossover", "block_kernel_step", "block_kernel_variants",
            "distinct_prompts", "gguf_kernels", "kv_dtype", "metrics_scrape", "plot", "quant_accuracy", "quant_e2e",
-           "quant_kernels", "self_draft", "step_overhead")
+           "quant_kernels", "self_draft", "serve_soak", "step_overhead")
 
 EPILOG = ("`<command> --help` gives a command's options. More measurements run on their own, "
-          "`python -m bench.<module> --help`: " + ", ".join(MODULES) + ". Results go to bench/results/ by default; "
+          "`python -m bench.<module> --help` (or `python -m bench <module> --help`): " + ", ".join(MODULES) +
+          ". Results go to bench/results/ by default; "
           "run benchmarks alone on the machine (flock /tmp/forklm_bench.lock ...).")
 
 
@@ -41,8 +42,28 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return parser
 
 
+def run_module(name: str, argv: list[str], prog: str = PROG) -> int:
+    """Runs the study `bench.<name>` (one of MODULES) as `python -m bench.<name> argv...` would: its
+    main() reads sys.argv, set here for the call."""
+    module = importlib.import_module("bench." + name)
+    saved = sys.argv
+    sys.argv = [f"{prog} {name}", *argv]
+    try:
+        return module.main() or 0
+    finally:
+        sys.argv = saved
+
+
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    """Runs one benchmark; returns its exit code (2 for bad options or files, 130 when interrupted)."""
+    """Runs one benchmark, or one study of MODULES; returns its exit code (2 for bad options or files,
+    130 when interrupted)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in MODULES:
+        try:
+            return run_module(argv[0], argv[1:], prog)
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return 130
     try:
         parser = build_parser(prog)
     except ImportError as e:  # a benchmark's dependency (pyproject's `bench` extra)
