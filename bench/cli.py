@@ -22,8 +22,8 @@ COMMANDS = {
 }
 
 # studies with their own options, run as `python -m bench.<module> --help`
-MODULES = ("attention_sweep", "block_kernel_crossover", "block_kernel_step", "block_kernel_variants",
-           "distinct_prompts", "gguf_kernels", "kv_dtype", "metrics_scrape", "plot", "quant_accuracy", "quant_e2e",
+MODULES = ("attention_sweep", "block_kernel_crossover", "block_kernel_step", "distinct_prompts",
+           "gguf_kernels", "kv_dtype", "load_time", "metrics_scrape", "plot", "quant_accuracy", "quant_e2e",
            "quant_kernels", "self_draft", "serve_soak", "step_overhead")
 
 EPILOG = ("`<command> --help` gives a command's options. More measurements run on their own, "

@@ -38,9 +38,8 @@ WIDE_OUT = 16384
 # forklm's block kernel with an opt-in dense copy (`BlockLinear(keep_dense=True)`; no file's default
 # path keeps one): rows per step at or below which the kernel runs. Dense float32 copies: the kernel
 # is faster at every count up to 96 rows (bench/results/block_kernel_crossover_avx2_builds.json).
-# bfloat16 copies (CPUs with native bfloat16; bench/results/block_kernel_crossover_cpu_avx512.json,
-# fastest of 9 rounds): the layers' kernel wins at 24 rows (28.3 against 31.1 ms) and loses at 32
-# (36.6 against 35.4); the LM head's wins at 8 (3.3 against 4.7 ms) and loses from 16 (6.2 against 6.0).
+# bfloat16 copies (CPUs with native bfloat16; bench/results/block_kernel_crossover_cpu_avx512.json):
+# the layers' kernel wins up to 24 rows and loses from 32; the LM head's wins at 8 and loses from 16.
 BLOCK_KERNEL_MAX_ROWS = 96
 BLOCK_KERNEL_MAX_ROWS_WIDE = 96
 BLOCK_KERNEL_MAX_ROWS_BF16 = 24

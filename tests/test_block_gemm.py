@@ -334,25 +334,23 @@ def test_vnni_build_equals_the_avx2_build_bit_for_bit(kind):
         assert torch.equal(bg.gemm(x, w), getattr(avx2, fn)(x, *args, bg.PLAIN, None, 0.0, None))
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q4_k", "q5_k"])
-def test_paired_row_tiles_equal_the_plain_tiles_bit_for_bit(kind):
-    """Q4_1 / Q5_1 tiles of 2-4 rows run `paired_tile` (activations paired once per call, scales
-    spread): every product, plain and fused, equals the `tile` build's (FORKLM_PAIRED_ROWS=0) bit for
-    bit, at every row count's mix of tiles and with an odd number of blocks (the last one alone)."""
-    plain = bg.load_cpu_extension("forklm_block_gemm_unpaired", bg._SOURCE, ("-DFORKLM_PAIRED_ROWS=0",))
-    paired = bg._extension()
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_row_count_gives_each_row_its_lone_products_bit_for_bit(kind):
+    """Row counts take different tiles (4-row tiles, then 3, 2 or a lone row's own loop, paired
+    activations for Q4_1-type blocks): every product, plain and fused, gives each row the bits that
+    row gets alone, with an odd number of blocks (the last one alone) and against the slow reference."""
     for k in ((256, 768) if kind.endswith("_k") else (160, 640)):
         w = random_weights(kind, 197, k, seed=k)
         args = w.kernel_arrays()
-        fn = f"gemm_{kind}"
-        for t in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32):
-            x = torch.randn(t, k) * 3
-            res = torch.randn(t, 197)
-            for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, torch.rand(k) + 0.5, res)):
-                a = getattr(plain, fn)(x, *args, mode, nw, 1e-5, r)
-                b = getattr(paired, fn)(x, *args, mode, nw, 1e-5, r)
-                assert torch.equal(a, b), (k, t, mode)
-            assert rel_err(getattr(paired, fn)(x, *args, bg.PLAIN, None, 0.0, None), bg.gemm_reference(x, w)) < 1e-5
+        fn = getattr(bg._extension(), f"gemm_{kind}")
+        x_all, res_all, nw = torch.randn(32, k) * 3, torch.randn(32, 197), torch.rand(k) + 0.5
+        for mode, norm, res in ((bg.PLAIN, None, None), (bg.RMS_NORM, nw, res_all)):
+            alone = torch.cat([fn(x_all[i:i + 1], *args, mode, norm, 1e-5, None if res is None else res[i:i + 1])
+                               for i in range(32)])
+            for t in (2, 3, 4, 5, 6, 7, 8, 9, 13, 32):
+                y = fn(x_all[:t], *args, mode, norm, 1e-5, None if res is None else res[:t])
+                assert torch.equal(y, alone[:t]), (k, t, mode)
+        assert rel_err(bg.gemm(x_all, w), bg.gemm_reference(x_all, w)) < 1e-5
 
 
 def test_int8_from_a_float_checkpoint_runs_as_q8_0_blocks():

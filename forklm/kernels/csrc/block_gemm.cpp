@@ -379,15 +379,16 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
   for (const char* p = base + (o0 >> 3) * nb * 8 * bytes; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-// y[j·N + o + i] for i < TO outputs, j < TN activation rows. scratch: >= TO·(TN + 1)·nb floats.
-template <bool Q41, int TO, int TN, bool H5 = false, bool KS = false>
+// Q8_0: y[j·N + o + i] for i < TO outputs, j < TN activation rows (Q4_1-type blocks run on
+// `paired_tile` and `one_row_q4_1`, Q6_K on `tile_q6`). scratch: >= TO·(TN + 1)·nb floats.
+template <int TO, int TN>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
   float* dw = scratch;                 // [TO, nb]
   float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
   prefetch_outputs(w, o + 2 * TO, TO, N);
   for (int i = 0; i < TO; ++i) {
-    row_scales<KS>(w, o + i, dw + i * nb);
+    row_scales<false>(w, o + i, dw + i * nb);
     for (int j = 0; j < TN; ++j) {
       float* s = sc + (i * TN + j) * nb;
       const float* dxj = x.d + j * nb;
@@ -397,45 +398,13 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
-  int64_t b = 0;
-  if constexpr (Q41) {
-    // Two blocks at a time: one 32-byte load holds blocks b and b+1's values (16 bytes each); its low
-    // nibbles are values 0-15 of both, its high nibbles values 16-31, so the activations are paired
-    // the same way (low halves of blocks b and b+1, then high halves), both products summed by
-    // dot2_u8s8: int32 lanes 0-3 are block b's sums, 4-7 block b+1's, scaled by [s_b ×4, s_b+1 ×4].
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    for (; b + 2 <= nb; b += 2) {
-      __m256i wlo[TO], whi[TO];
-      for (int i = 0; i < TO; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + b * 16));
-        wlo[i] = _mm256_and_si256(v, low4);
-        whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if constexpr (H5) {
-          wlo[i] = _mm256_or_si256(wlo[i], high_bits(w.qh[(o + i) * nb + b]));
-          whi[i] = _mm256_or_si256(whi[i], high_bits(w.qh[(o + i) * nb + b + 1]));
-        }
-      }
-      for (int j = 0; j < TN; ++j) {
-        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
-        const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (b + 1) * QK));
-        const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
-        for (int i = 0; i < TO; ++i) {
-          const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo[i], xlo, whi[i], xhi));
-          const __m128 s2 = load_two(sc + (i * TN + j) * nb + b);
-          const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx);
-          acc[i][j] = _mm256_fmadd_ps(scale, p, acc[i][j]);
-        }
-      }
-    }
-  }
-  for (; b < nb; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
     __m256i wv[TO];
-    for (int i = 0; i < TO; ++i) wv[i] = load_weights<Q41, H5>(w, o + i, b);
+    for (int i = 0; i < TO; ++i) wv[i] = load_weights<false>(w, o + i, b);
     for (int j = 0; j < TN; ++j) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
       for (int i = 0; i < TO; ++i) {
-        const __m256 p = _mm256_cvtepi32_ps(block_dot<Q41>(wv[i], xv));
+        const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
         acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (i * TN + j) * nb + b), p, acc[i][j]);
       }
     }
@@ -452,12 +421,13 @@ struct PairedActs {
   const float* dxe;   // [T, nb/2, 8]: row stride nb/2·8 floats
 };
 
-// The Q4_1 products of `tile<true, TO, TN>` with the same operations in the same order (so the same
-// bits) but the per-output work of a block pair hoisted out of the rows' loop: the rows' activations
-// read already paired (no permutes per tile), each scale d_w·d_x formed as a vector product of the
-// output's spread d_w (converted once per pair) and the row's spread d_x (`PairedActs`), no scratch.
-// Per block pair and (output, row): 2 byte products, their sum, its widening, a conversion, a
-// product and an FMA (the 2 x 4 tile before it: 2 permutes a row and a scale shuffle more).
+// Q4_1-type products of TO outputs and TN rows, two blocks at a time: one 32-byte load holds blocks
+// b and b+1's values (16 bytes each); its low nibbles are values 0-15 of both, its high nibbles
+// values 16-31, so the activations come paired the same way (`PairedActs`: low halves of blocks b
+// and b+1, then high halves, prepared once per call), both products summed by dot2_u8s8: int32
+// lanes 0-3 are block b's sums, 4-7 block b+1's, scaled by the output's spread d_w (converted once
+// per pair) times the row's spread d_x. A row's operations are the same in every tile, and the
+// same as `one_row_q4_1`'s, so no row count changes a result.
 template <int TO, int TN, bool H5 = false, bool KS = false>
 void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& xp, float* y, int64_t N) {
   const int64_t nb = w.nb, pairs = nb / 2;
@@ -491,7 +461,7 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
       }
     }
   }
-  if (nb % 2 == 1) {  // the last block alone, as `tile`
+  if (nb % 2 == 1) {  // the last block alone
     const int64_t b = nb - 1;
     for (int i = 0; i < TO; ++i) {
       const __m256i wv = load_weights<true, H5>(w, o + i, b);
@@ -565,11 +535,11 @@ void tile_q6_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float
   for (; o < o1; ++o) tile_q6<1, TN>(w, o, x, y, N, scratch);
 }
 
-template <bool Q41, int TO, int TN, bool H5 = false, bool KS = false>
+template <int TO, int TN>
 void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) tile<Q41, TO, TN, H5, KS>(w, o, x, y, N, scratch);
-  for (; o < o1; ++o) tile<Q41, 1, TN, H5, KS>(w, o, x, y, N, scratch);
+  for (; o + TO <= o1; o += TO) tile<TO, TN>(w, o, x, y, N, scratch);
+  for (; o < o1; ++o) tile<1, TN>(w, o, x, y, N, scratch);
 }
 
 template <int TO, int TN, bool H5 = false, bool KS = false>
@@ -580,15 +550,11 @@ void paired_tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, c
   for (; o < o1; ++o) paired_tile<1, TN, H5, KS>(w, o, x, xp, y, N);
 }
 
-// A lone activation row times Q4_1 outputs [o0, o1): the operations of tile<true, 1, 1> (so the same
-// bits), with each block pair's scale d_w·d_x formed as it is used from the float16 scales (no
-// scratch passes) and the row's paired activations `xp` permuted once per call instead of per
-// output. xp: [nb/2] pairs of 32 bytes (low halves of blocks b and b+1, then their high halves).
-// Over a step's products at one row: 8-11% faster than tile<true, 1, 1> (block_kernel_variants,
-// AVX-512 EPYC). The Q8_0 LM head keeps `tile`: its products run at about the copy bandwidth.
-#ifndef FORKLM_ONE_ROW_DIRECT
-#define FORKLM_ONE_ROW_DIRECT 1
-#endif
+// A lone activation row times Q4_1-type outputs [o0, o1): the operations of paired_tile<1, 1> (so
+// the same bits), with each block pair's scale d_w·d_x formed as it is used from the float16 scales
+// and the minima terms formed group by group as it goes (a decode step's products stream their
+// weights from memory: no scratch passes). xp: [nb/2] pairs of 32 bytes (low halves of blocks b and
+// b+1, then their high halves).
 template <bool H5 = false, bool KS = false>
 void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const int8_t* xp, float* y, int64_t N) {
   const int64_t nb = w.nb;
@@ -651,35 +617,15 @@ void pair_activations(const int8_t* q, int64_t nb, int8_t* xp) {
 
 constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while tiles of T pass over them
 
-// Tile shapes (a row's operations are the same in any tile, so none changes a result; the
-// bench block_kernel_variants builds alternatives with -D):
-// outputs per tile of 4 activation rows: AVX2 has 16 vector registers (2 x 4 accumulators and the
-// unpacked weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles share each activation
-// load twice as widely.
-#ifndef FORKLM_ROW_TILE_OUTS
-#define FORKLM_ROW_TILE_OUTS (FORKLM_VNNI ? 4 : 2)
-#endif
-// outputs per tile of a lone row (a decode step of one sample): one. Its products stream their
-// weights from memory, and 1 x 1 tiles measured 14-16% faster over a step's 121 products than the
-// 4 x 1 tiles before them (both builds, AVX-512 EPYC).
-// Q4_1 tiles of 2 to 4 rows on `paired_tile` (1; the default) or `tile` (0).
-#ifndef FORKLM_PAIRED_ROWS
-#define FORKLM_PAIRED_ROWS 1
-#endif
-#ifndef FORKLM_ONE_ROW_TILE_OUTS
-#define FORKLM_ONE_ROW_TILE_OUTS 1
-#endif
-// `paired_tile`'s widest tile: rows (4 or 8) and outputs per tile, run before the 4-row tiles.
-#ifndef FORKLM_PAIRED_TILE_ROWS
-#define FORKLM_PAIRED_TILE_ROWS 4
-#endif
-#ifndef FORKLM_PAIRED_TILE_OUTS
-#define FORKLM_PAIRED_TILE_OUTS FORKLM_ROW_TILE_OUTS
-#endif
+// Tile shapes (a row's operations are the same in any tile, so none changes a result): outputs per
+// tile of 4 activation rows: AVX2 has 16 vector registers (2 x 4 accumulators and the unpacked
+// weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles share each activation load
+// twice as widely. A lone row (a decode step of one sample) takes one output at a time: its
+// products stream their weights from memory.
+constexpr int ROW_TILE_OUTS = FORKLM_VNNI ? 4 : 2;
 constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 // floats of scratch per block that `tile` needs (TO·(TN + 1)) for the largest tile `gemm` runs
-constexpr int64_t SCRATCH_PER_BLOCK =
-    cmax(cmax(FORKLM_ROW_TILE_OUTS * 5, FORKLM_ONE_ROW_TILE_OUTS * 2), cmax(2 * 4, 4 * 3));
+constexpr int64_t SCRATCH_PER_BLOCK = cmax(cmax(ROW_TILE_OUTS * 5, 1 * 2), cmax(2 * 4, 4 * 3));
 
 // Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm);
 // S6: Q6_K (qs, q2 passed as qh, d: ds, sc).
@@ -768,13 +714,13 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   // Q4_1 rows' paired activations (`one_row_q4_1`'s lone last row; `paired_tile`'s rows with their
   // spread scales), prepared once per call.
-  const bool paired_rows = Q41 && FORKLM_PAIRED_ROWS && T >= 2;
-  const int64_t paired_from = paired_rows ? 0 : T - 1, pairs = nb / 2;
+  const bool paired_rows = Q41 && T >= 2;
+  const int64_t pairs = nb / 2;
   std::vector<int8_t> xpairs;
   std::vector<float> dx_spread;
-  if (Q41 && (paired_rows || (FORKLM_ONE_ROW_DIRECT && T % 4 == 1))) {
-    xpairs.resize((T - paired_from) * K);
-    for (int64_t t = paired_from; t < T; ++t) pair_activations(qx + t * K, nb, xpairs.data() + (t - paired_from) * K);
+  if (Q41) {
+    xpairs.resize(T * K);
+    for (int64_t t = 0; t < T; ++t) pair_activations(qx + t * K, nb, xpairs.data() + t * K);
   }
   if (paired_rows) {
     dx_spread.resize(T * pairs * 8);
@@ -783,9 +729,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
         for (int k = 0; k < 8; ++k) dx_spread[(t * pairs + pr) * 8 + k] = dx[t * nb + 2 * pr + k / 4];
   }
   // the minima terms of a chunk's outputs for all rows, before its tiles; a lone row's are formed by
-  // one_row_q4_1 group by group as it goes (the chunk pass made a step's products at one row 6-10%
-  // slower than the per-output minima dots before it; group by group they measure the same)
-  const bool chunk_minima = Q41 && !(T == 1 && FORKLM_ONE_ROW_DIRECT);
+  // one_row_q4_1 group by group as it goes (a chunk pass ahead of a lone row's products slowed them)
+  const bool chunk_minima = Q41 && T != 1;
   // threads split the outputs at multiples of 8 (the minima's groups; any split gives the same bits)
   at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
     const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
@@ -808,7 +753,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       int64_t t = 0;
       if constexpr (S6) {
         for (; t + 4 <= T; t += 4)
-          tile_q6_rows<FORKLM_ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+          tile_q6_rows<ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
         const Acts rest = all.rows_from(t);
         switch (T - t) {
           case 3: tile_q6_rows<2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
@@ -816,32 +761,25 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
           case 1: tile_q6_rows<1, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
           default: break;
         }
-        t = T;
-      }
-      if (paired_rows) {
-        if constexpr (FORKLM_PAIRED_TILE_ROWS != 4)
-          for (; t + FORKLM_PAIRED_TILE_ROWS <= T; t += FORKLM_PAIRED_TILE_ROWS)
-            paired_tile_rows<FORKLM_PAIRED_TILE_OUTS, FORKLM_PAIRED_TILE_ROWS, H5, KS>(w, c0, c1, all.rows_from(t),
-                                                                                       pairs_from(t), yp + t * n, n);
+      } else if constexpr (Q41) {
         for (; t + 4 <= T; t += 4)
-          paired_tile_rows<FORKLM_ROW_TILE_OUTS, 4, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
-        if (T - t == 3) paired_tile_rows<2, 3, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
-        if (T - t == 2) paired_tile_rows<4, 2, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
-        if (T - t >= 2) t = T;
-      }
-      for (; t + 4 <= T; t += 4)
-        tile_rows<Q41, FORKLM_ROW_TILE_OUTS, 4, H5, KS>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
-      const Acts rest = all.rows_from(t);
-      switch (T - t) {
-        case 3: tile_rows<Q41, 2, 3, H5, KS>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-        case 2: tile_rows<Q41, 4, 2, H5, KS>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-        case 1:
-          if (Q41 && FORKLM_ONE_ROW_DIRECT)
-            one_row_q4_1<H5, KS>(w, c0, c1, rest, xpairs.data() + (t - paired_from) * K, yp + t * n, n);
-          else
-            tile_rows<Q41, FORKLM_ONE_ROW_TILE_OUTS, 1, H5, KS>(w, c0, c1, rest, yp + t * n, n, scratch.data());
-          break;
-        default: break;
+          paired_tile_rows<ROW_TILE_OUTS, 4, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
+        switch (T - t) {
+          case 3: paired_tile_rows<2, 3, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
+          case 2: paired_tile_rows<4, 2, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
+          case 1: one_row_q4_1<H5, KS>(w, c0, c1, all.rows_from(t), xpairs.data() + t * K, yp + t * n, n); break;
+          default: break;
+        }
+      } else {  // Q8_0
+        for (; t + 4 <= T; t += 4)
+          tile_rows<ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+        const Acts rest = all.rows_from(t);
+        switch (T - t) {
+          case 3: tile_rows<2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 2: tile_rows<4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 1: tile_rows<1, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          default: break;
+        }
       }
       if (rp != nullptr)  // y = residual + x·Wᵀ (one rounding, as `residual + product` would round)
         for (int64_t tt = 0; tt < T; ++tt)

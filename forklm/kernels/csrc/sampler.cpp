@@ -392,7 +392,10 @@ torch::Tensor token_logprobs(const torch::Tensor& logits_in, const torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_logits", &sample_logits,
-        "tokens [b] int64 drawn from logits [b, V] float32 at temperature, top_k, top_p with uniforms u [b] float64");
-  m.def("sample_weights", &sample_weights, "the draw's weights [b, V] float32: exp(l / T - max l / T)");
-  m.def("token_logprobs", &token_logprobs, "log_softmax(logits)[r, tokens[r]] for logits [b, V] float32");
+        "tokens [b] int64 drawn from logits [b, V] float32 at temperature, top_k, top_p with uniforms u [b] float64",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sample_weights", &sample_weights, "the draw's weights [b, V] float32: exp(l / T - max l / T)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("token_logprobs", &token_logprobs, "log_softmax(logits)[r, tokens[r]] for logits [b, V] float32",
+        py::call_guard<py::gil_scoped_release>());
 }
