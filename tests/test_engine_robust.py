@@ -216,12 +216,16 @@ def test_a_short_request_starts_beside_a_long_prefill():
     eng.step()
     eng.step()
     short = eng.add_request(PROMPT_C, ps)
-    first, steps = None, 0
+    before = long_req.prompt_seq.num_computed
+    eng.step()  # admits the short request: the long prompt's chunk gives way (an eighth of the budget)
+    assert 0 < long_req.prompt_seq.num_computed - before <= 64 // 8
+    first, steps = None, 1
     while first is None and steps < 50:
-        eng.step()
-        steps += 1
         if short.samples and short.samples[0].token_ids:
             first = steps
+            break
+        eng.step()
+        steps += 1
     assert first is not None and first <= 2, first
     assert long_req.status is not Status.FINISHED  # the long prompt was still prefilling
     run_checked(eng)

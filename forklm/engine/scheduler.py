@@ -9,8 +9,9 @@ Each step (`schedule`), oldest request first:
       speculative sampling on, decode rows the speculator drafts for extend by their pending
       token and the draft (`Sequence.draft`, verified by the output processor);
   (b) prompts being prefilled and samples being recomputed take prompt chunks from the token
-      budget (`max_batch_tokens`, chunked prefill), each at most half of it while requests wait
-      (the budget shared with newcomers: a short request beside a long prompt starts at once);
+      budget (`max_batch_tokens`, chunked prefill), each at most an eighth of it while requests
+      wait (the budget shared with newcomers: a short request beside a long prompt starts at once,
+      in a short step);
   (c) samples waiting for blocks or a decode row (waves of a large n, preempted samples) start,
       at most `max_num_seqs` running sequences in all; fresh samples of a request start
       together as one lane group;
@@ -30,6 +31,12 @@ from dataclasses import dataclass, field
 
 from forklm.engine.kv_manager import KVManager
 from forklm.engine.request import RequestState, Sequence, Status
+
+# While requests wait to be admitted, a running prompt's chunk takes at most 1/WAITING_CHUNK_SHARE of
+# the step's budget: the step that admits a newcomer costs little more than the newcomer's own
+# prefill (with half the budget, a short request's first token waited for the running chunk and
+# then for half a chunk more beside its own; measured through `forklm serve`: docs/serving.md).
+WAITING_CHUNK_SHARE = 8
 
 
 @dataclass
@@ -147,10 +154,11 @@ class Scheduler:
 
     def _schedule_chunks(self, batch: ScheduledBatch, scheduled: set[int], more: list[Sequence], budget: int) -> int:
         """(b) Prompts being prefilled and samples being recomputed (unless preempted in (a)). While
-        requests wait to be admitted, a chunk takes at most half the budget left, so that a short
-        request arriving beside a long prompt is admitted in (d) this step, not after the whole
-        prompt. Returns the budget left."""
-        cap = max(budget // 2, self.kv.block_size) if self.waiting else None
+        requests wait to be admitted, a chunk takes at most an eighth of the budget left, so that a
+        short request arriving beside a long prompt is admitted in (d) this step, in a step about as
+        short as its own (its first token is then about a step away, not a long prompt's chunk).
+        Returns the budget left."""
+        cap = max(budget // WAITING_CHUNK_SHARE, self.kv.block_size) if self.waiting else None
         for seq in more:
             req = seq.request
             if seq is req.prompt_seq or (seq in req.running and id(seq) not in scheduled):

@@ -12,6 +12,7 @@ dims slowest first), so the gguf package's dequantization takes it as is.
 
 from __future__ import annotations
 
+import enum
 import functools
 import struct
 from dataclasses import dataclass
@@ -19,6 +20,48 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# ggml's tensor types: name -> (id, values per block, bytes per block), as the `gguf` package's
+# GGMLQuantizationType and GGML_QUANT_SIZES hold them (tests/test_gguf_loader.py checks they agree);
+# kept here because importing `gguf` (its metadata helpers pull in yaml) costs a tenth of a load.
+_GGML_TYPES = {
+    "F32": (0, 1, 4),
+    "F16": (1, 1, 2),
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q8_1": (9, 32, 40),
+    "Q2_K": (10, 256, 84),
+    "Q3_K": (11, 256, 110),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+    "Q8_K": (15, 256, 292),
+    "IQ2_XXS": (16, 256, 66),
+    "IQ2_XS": (17, 256, 74),
+    "IQ3_XXS": (18, 256, 98),
+    "IQ1_S": (19, 256, 50),
+    "IQ4_NL": (20, 32, 18),
+    "IQ3_S": (21, 256, 110),
+    "IQ2_S": (22, 256, 82),
+    "IQ4_XS": (23, 256, 136),
+    "I8": (24, 1, 1),
+    "I16": (25, 1, 2),
+    "I32": (26, 1, 4),
+    "I64": (27, 1, 8),
+    "F64": (28, 1, 8),
+    "IQ1_M": (29, 256, 56),
+    "BF16": (30, 1, 2),
+    "TQ1_0": (34, 256, 54),
+    "TQ2_0": (35, 256, 66),
+    "MXFP4": (39, 32, 17),
+    "NVFP4": (40, 64, 36),
+    "Q1_0": (41, 128, 18),
+}
+GGMLType = enum.IntEnum("GGMLType", {name: t[0] for name, t in _GGML_TYPES.items()})
+GGML_BLOCK_SIZES = {GGMLType[name]: (t[1], t[2]) for name, t in _GGML_TYPES.items()}
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -36,7 +79,7 @@ _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
 class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # ggml's ne order: fastest-varying dim first (as GGUFReader's .shape)
-    tensor_type: Any  # gguf.GGMLQuantizationType
+    tensor_type: Any  # GGMLType (equal to gguf.GGMLQuantizationType of the same id)
     data: np.ndarray  # a view of the mapped file (see module docstring)
     n_bytes: int
 
@@ -129,8 +172,6 @@ def release_pages(view) -> None:
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """(metadata, tensors) of a GGUF v2/v3 little-endian file; ValueError on a bad or truncated one."""
-    import gguf  # the tensor type enum and block sizes
-
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(mm)
     if len(buf) < 24 or bytes(buf[:4]) != GGUF_MAGIC:
@@ -155,8 +196,11 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
     start = (cur.pos + align - 1) // align * align
     tensors = []
     for name, dims, type_id, offset in infos:
-        qtype = gguf.GGMLQuantizationType(type_id)
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            qtype = GGMLType(type_id)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has tensor type id {type_id}, which ggml does not define") from None
+        block, size = GGML_BLOCK_SIZES[qtype]
         n_elems = int(np.prod(dims)) if dims else 1
         n_bytes = n_elems // block * size
         begin = start + offset

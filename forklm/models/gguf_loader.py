@@ -12,6 +12,7 @@ import torch
 
 from forklm.config import ModelConfig, RopeConfig
 from forklm.errors import ModelFileError, UnsupportedModelError
+from forklm.models.gguf_file import GGMLType
 from forklm.tokenizer import Tokenizer
 
 _ARCHITECTURES = ("llama", "qwen2")
@@ -108,17 +109,17 @@ def _hf_name(name: str) -> str | None:
 
 
 def _dequantize(info: Any, path: Path) -> torch.Tensor:
-    import gguf
-
     kind = info.tensor_type
     shape = tuple(int(d) for d in reversed(info.shape))
     try:
-        if kind == gguf.GGMLQuantizationType.F32:
+        if kind == GGMLType.F32:
             arr = np.array(info.data, dtype=np.float32)  # copy out of the memory-mapped file
-        elif kind == gguf.GGMLQuantizationType.F64:
+        elif kind == GGMLType.F64:
             arr = info.data.astype(np.float32)
-        else:
-            arr = gguf.quants.dequantize(info.data, kind)
+        else:  # the gguf package's numpy dequantization (imported only here: it costs a tenth of a load)
+            import gguf
+
+            arr = gguf.quants.dequantize(info.data, gguf.GGMLQuantizationType(int(kind)))
         return torch.from_numpy(np.ascontiguousarray(arr.reshape(shape), dtype=np.float32))
     except NotImplementedError:
         raise UnsupportedModelError(f"{path}: tensor {info.name!r} has unsupported type {kind.name}") from None
