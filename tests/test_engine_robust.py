@@ -232,3 +232,25 @@ def test_a_short_request_starts_beside_a_long_prefill():
     same_as_reference(short, PROMPT_C, ps)
     same_as_reference(long_req, long_prompt, pl)
     assert eng.blocks_in_use() == 0
+
+
+def test_a_long_prefill_keeps_its_budget_while_the_waiting_request_cannot_start():
+    """Running prompts give way only to a request that can be admitted now: one deferred to the
+    in-flight prefill of its own prefix (it will hit the cache) leaves the long prompt its whole
+    budget, and both still equal their references."""
+    eng = Engine(tiny_model(), decode, (EOS,), EngineConfig(block_size=2, num_blocks=800, max_batch_tokens=64))
+    long_prompt = [(7 * i + 1) % 13 for i in range(600)]
+    long_prompt = [t if t != EOS else 4 for t in long_prompt]
+    pl, ps = params(8, n=2, max_tokens=4), params(9, n=1, max_tokens=4)
+    long_req = eng.add_request(long_prompt, pl)
+    eng.step()
+    follower_prompt = long_prompt[:300] + [3, 5, 6]  # shares 300 tokens with the prefill in flight
+    follower = eng.add_request(follower_prompt, ps)
+    before = long_req.prompt_seq.num_computed
+    eng.step()
+    assert follower in eng.waiting  # deferred: it waits for the shared prefix to reach the cache
+    assert long_req.prompt_seq.num_computed - before == 64  # the whole budget, not an eighth
+    run_checked(eng)
+    same_as_reference(follower, follower_prompt, ps)
+    same_as_reference(long_req, long_prompt, pl)
+    assert eng.blocks_in_use() == 0

@@ -107,6 +107,12 @@ def test_a_build_lives_in_forklms_cache_and_a_second_process_reuses_it(tmp_path,
     (folder / native.BUILT).write_text("0 0\n")  # a binary other than the one recorded: not imported directly
     again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert again.returncode == 0 and again.stdout.split() == ["42", "True"], again.stderr
+    # a verdict recorded by an earlier failure (say, no compiler then): a rebuild that works removes it
+    (folder / native.FAILED).write_text("RuntimeError: no compiler\n")
+    rebuilt = subprocess.run([sys.executable, "-c", code], env={**env, "FORKLM_REBUILD": "1"}, capture_output=True,
+                             text=True, timeout=600, cwd=ROOT)
+    assert rebuilt.returncode == 0 and rebuilt.stdout.split()[0] == "42", rebuilt.stderr
+    assert not (folder / native.FAILED).exists()
     src.write_text(GOOD.replace("2 * x", "2 * x + 0"))  # another version of the source: its own folder
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert other.returncode == 0 and len(list(cache.iterdir())) == 2

@@ -560,7 +560,6 @@ class PagedAttention:
         """q [B, h, D] in plan order -> [B, h, D]."""
         plan = self.plan
         B, h, D = q.shape
-        p = h // g
         if isinstance(plan.kernel_plan, CpuAttentionPlan):  # one C++ call (rows in their own order)
             from forklm.kernels.cpu_attention import paged_attention
 
@@ -570,9 +569,27 @@ class PagedAttention:
 
             o, _ = segment_attention(q, self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, scale)
             return o
+        outs, lses, later = self._attend_tails(layer, q, g, scale)
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if not plan.extra and not later:
+            return o
+        lse = lses[0] if len(lses) == 1 else torch.cat(lses)
+        o = o.float()
+        for r0, s, o_s, lse_s in later:
+            o_m, lse_m = merge_partials(o[r0 : r0 + s], lse[r0 : r0 + s], o_s, lse_s)
+            o[r0 : r0 + s] = o_m
+            lse[r0 : r0 + s] = lse_m
+        o, lse = self._attend_extra(layer, q, g, scale, o, lse)
+        return o.to(q.dtype)
+
+    def _attend_tails(self, layer: int, q: torch.Tensor, g: int, scale: float):
+        """PyTorch's path over the plan's tail groups: (outputs [rows, h, D] and log-sum-exps [rows, h]
+        of each group's first run, in row order; (row0, rows, o, lse) of their later runs, to merge)."""
+        B, h, D = q.shape
+        p = h // g
         K, V = self.kv.k[layer], self.kv.v[layer]  # [g, slots, D]
         outs, lses, later = [], [], []
-        for ti, tg in enumerate(plan.tails):
+        for ti, tg in enumerate(self.plan.tails):
             s, r, rows = tg.num_units, tg.rows_per_unit, tg.num_rows
             if r == 1:
                 qg = q[tg.row0 : tg.row0 + s].view(s, g, p, D)
@@ -595,16 +612,16 @@ class PagedAttention:
                     lses.append(lse_t)
                 else:
                     later.append((tg.row0, rows, o_t, lse_t))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if not plan.extra and not later:
-            return o
-        lse = lses[0] if len(lses) == 1 else torch.cat(lses)
-        o = o.float()
-        for r0, s, o_s, lse_s in later:
-            o_m, lse_m = merge_partials(o[r0 : r0 + s], lse[r0 : r0 + s], o_s, lse_s)
-            o[r0 : r0 + s] = o_m
-            lse[r0 : r0 + s] = lse_m
-        for e in plan.extra:
+        return outs, lses, later
+
+    def _attend_extra(self, layer: int, q: torch.Tensor, g: int, scale: float, o: torch.Tensor,
+                      lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's extra segments (shared prefixes: one product for all their rows when bifurcated,
+        else each row on its own), merged into o [B, h, D] float32 and lse [B, h]."""
+        B, h, D = q.shape
+        p = h // g
+        K, V = self.kv.k[layer], self.kv.v[layer]  # [g, slots, D]
+        for e in self.plan.extra:
             s = e.row1 - e.row0
             qs = q[e.row0 : e.row1]
             ks = K[:, e.first_slot : e.first_slot + e.length].unsqueeze(0)  # [1, g, S, D]
@@ -624,7 +641,7 @@ class PagedAttention:
                 o_m, lse_m = merge_partials(o[e.row0 : e.row1], lse[e.row0 : e.row1], o_s, lse_s)
                 o[e.row0 : e.row1] = o_m
                 lse[e.row0 : e.row1] = lse_m
-        return o.to(q.dtype)
+        return o, lse
 
     def _tail_mask(self, index: int, tg: TailGroup, p: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask [units, 1, r·p, L] (0 or -inf) of a ragged tail group's last run: query

@@ -124,6 +124,22 @@ class EngineMetrics:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def pool_blocks(model: LlamaModel, cfg: EngineConfig, kv_dtype, draft_model=None) -> int:
+    """KV blocks of the pool: the config's `num_blocks`, else as many as the memory budget holds
+    (every block with its twin in a draft model's KV); OutOfMemoryError below 2."""
+    per_block = kv_bytes_per_block(model.config, kv_dtype, cfg.block_size)
+    if draft_model is not None:  # every block has a twin in the draft's KV
+        per_block += kv_bytes_per_block(draft_model.config, draft_model.dtype, cfg.block_size)
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    budget = cfg.memory_budget or int(cfg.memory_fraction * available_memory_bytes(model.device))
+    budget -= working_set_bytes(model.config, cfg)  # logits and sampler buffers of a full batch
+    num_blocks = max(budget, 0) // per_block
+    if num_blocks < 2:
+        raise OutOfMemoryError(f"a KV memory budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+    return num_blocks
+
+
 class Engine:
     """Drives many requests through one model. Not thread-safe: `EngineLoop` runs it on one thread
     (`cancel` and `validate_request` may be called from any thread)."""
@@ -154,16 +170,7 @@ class Engine:
             if self.decode_kernel == "cpu":
                 model.prepare_decode_stack()
         self.kv_dtype = model.backend.kv_dtype(cfg.kv_dtype, self.decode_kernel)
-        per_block = kv_bytes_per_block(model.config, self.kv_dtype, cfg.block_size)
-        if draft_model is not None:  # every block has a twin in the draft's KV
-            per_block += kv_bytes_per_block(draft_model.config, draft_model.dtype, cfg.block_size)
-        num_blocks = cfg.num_blocks
-        if num_blocks is None:
-            budget = cfg.memory_budget or int(cfg.memory_fraction * available_memory_bytes(model.device))
-            budget -= working_set_bytes(model.config, cfg)  # logits and sampler buffers of a full batch
-            num_blocks = max(budget, 0) // per_block
-            if num_blocks < 2:
-                raise OutOfMemoryError(f"a KV memory budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
+        num_blocks = pool_blocks(model, cfg, self.kv_dtype, draft_model)
         self.block_size = cfg.block_size
         self.limits = EngineLimits(
             model.config.vocab_size, model.config.max_position_embeddings, has_tokenizer, num_blocks, cfg.block_size

@@ -153,17 +153,31 @@ class Scheduler:
         return take
 
     def _schedule_chunks(self, batch: ScheduledBatch, scheduled: set[int], more: list[Sequence], budget: int) -> int:
-        """(b) Prompts being prefilled and samples being recomputed (unless preempted in (a)). While
-        requests wait to be admitted, a chunk takes at most an eighth of the budget left, so that a
+        """(b) Prompts being prefilled and samples being recomputed (unless preempted in (a)). While a
+        waiting request can be admitted, a chunk takes at most an eighth of the budget left, so that a
         short request arriving beside a long prompt is admitted in (d) this step, in a step about as
         short as its own (its first token is then about a step away, not a long prompt's chunk).
         Returns the budget left."""
-        cap = max(budget // WAITING_CHUNK_SHARE, self.kv.block_size) if self.waiting else None
+        cap = max(budget // WAITING_CHUNK_SHARE, self.kv.block_size) if self._newcomer_can_start() else None
         for seq in more:
             req = seq.request
             if seq is req.prompt_seq or (seq in req.running and id(seq) not in scheduled):
                 budget -= self._add_chunk(batch, scheduled, seq, budget, cap)
         return budget
+
+    def _newcomer_can_start(self) -> bool:
+        """Whether one of the first waiting requests can be admitted this step: not deferred to an
+        in-flight prefill of its prefix, and KV room for its prompt beside what running work keeps.
+        Only then do running prompts' chunks give way (else the budget they leave would go unused)."""
+        if not self.waiting:
+            return False
+        room = self.kv.room() - sum(len(r.running) + self._next_sample_blocks(r) for r in self.active)
+        bs = self.kv.block_size
+        for req in sorted(self.waiting, key=lambda r: r.arrival)[:4]:
+            cached = self.kv.cached_prefix_len(req.prompt_ids)
+            if not self._defer(req, cached) and -(-len(req.prompt_ids) // bs) - cached // bs <= room:
+                return True
+        return False
 
     def _start_pending_samples(self, batch: ScheduledBatch, scheduled: set[int], budget: int) -> int:
         """(c) Samples waiting for blocks or a row start (fresh samples of a request together, as

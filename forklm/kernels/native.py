@@ -100,6 +100,7 @@ def load_extension(name: str, source: Path, cflags: list[str], ldflags: list[str
                           extra_include_paths=include_paths, build_directory=str(directory),
                           verbose=os.environ.get("FORKLM_VERBOSE_BUILD") == "1")
             _record_built(name, directory)
+            failed.unlink(missing_ok=True)  # a rebuild (FORKLM_REBUILD=1) that worked: no stale verdict left
             return module
     except Exception as e:  # noqa: BLE001 - the compiler's or linker's failure, recorded and reported
         reason = _one_line(e)

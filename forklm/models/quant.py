@@ -367,6 +367,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
     elif kind == "q6_k":
         sc, q2 = torch.empty(n, k // 16, dtype=torch.int8), torch.empty(n, k // 4, dtype=torch.uint8)
     for row0, raw, part in _stored_rows(parts):
+        if raw.shape[0] == 0:
+            continue
         overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc, mq, q2)
         if overflowing:
             factor = -8 if part.type_name == "Q4_0" else -16
