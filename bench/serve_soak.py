@@ -41,7 +41,7 @@ from forklm.server.process import ServerProcess
 
 MODEL = "smollm2-135m"
 
-# the mix of tests/test_server_load.py: shared system prompts (the prefix cache reuses them), short user turns
+# the request mix (also tests/test_server_load.py's): shared system prompts (the prefix cache reuses them), short user turns
 SYSTEMS = [
     "# utils.py: helpers for parsing configuration files\nimport os\nimport re\nimport json\n\n"
     "def load(path):\n    with open(path) as f:\n        return json.load(f)\n\n",
@@ -55,8 +55,8 @@ USERS = ["def parse_line(line):", "def save(obj, path):", "    def transpose(sel
 
 # ---------------------------------------------------------------------------------------------- helpers
 def wait_idle(server: ServerProcess, timeout: float = 120.0) -> dict:
-    """Polls /metrics until nothing runs, waits or is in flight and no KV block is in use (as
-    tests/test_server.py's wait_idle); returns the last sample, RuntimeError after `timeout`."""
+    """Polls /metrics until nothing runs, waits or is in flight and no KV block is in use (the server
+    tests wait with it too); returns the last sample, RuntimeError after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         m = server.metrics()
@@ -218,8 +218,8 @@ def ttft_beside_long(server: ServerProcess, http, chars: int, args: argparse.Nam
 
 # ---------------------------------------------------------------------------------------------- 3. soak
 async def one_request(http, rng: random.Random, k: int) -> str:
-    """One random request as tests/test_server_load.py's one_request; returns "ok", "cancelled"
-    (planned) or "error: ..." (anything else, counted instead of raised)."""
+    """One random request of the soak's mix (tests/test_server_load.py sends it too); returns "ok",
+    "cancelled" (planned) or "error: ..." (anything else, counted instead of raised)."""
     chat = rng.random() < 0.3
     stream = rng.random() < 0.5
     cancel = rng.random() < 0.2

@@ -327,18 +327,11 @@ def test_queue_limit_is_503_with_retry_after(smollm2_gguf):
 
 
 def wait_idle(server, timeout: float = 30.0) -> dict:
-    """Polls /metrics until nothing runs and no KV block is in use; returns the last sample."""
-    import time
+    """Polls /metrics until nothing runs and no KV block is in use; returns the last sample (the
+    benchmark's helper, bench/serve_soak.py; it raises if the server is not idle within `timeout`)."""
+    from bench.serve_soak import wait_idle as until_idle
 
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (m["forklm_kv_blocks_in_use"] == 0 and m["forklm_requests_running"] == 0
-                and m["forklm_requests_waiting"] == 0 and m["forklm_requests_in_flight"] == 0)
-        if idle or time.monotonic() > deadline:
-            assert idle, m
-            return m
-        time.sleep(0.1)
+    return until_idle(server, timeout)
 
 
 def test_finite_mean_logprob(forklm_server):

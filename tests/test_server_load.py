@@ -3,13 +3,14 @@ hundred concurrent requests with shared prefixes and random cancellations are al
 cancelled, none lost, no block leaked, memory steady."""
 
 import asyncio
-import json
 import random
 import time
 
 import httpx
 import pytest
 from test_server import CODE, MODEL, wait_idle
+
+from bench.serve_soak import one_request  # the random request mix of the benchmark's soak
 
 
 def auth(server) -> dict:
@@ -52,69 +53,14 @@ def test_disconnect_while_waiting_for_a_whole_response(forklm_server):
     wait_idle(forklm_server, timeout=10)
 
 
-SYSTEMS = [
-    "# utils.py: helpers for parsing configuration files\nimport os\nimport re\nimport json\n\n"
-    "def load(path):\n    with open(path) as f:\n        return json.load(f)\n\n",
-    "class Matrix:\n    def __init__(self, rows):\n        self.rows = rows\n\n    def __mul__(self, other):\n"
-    "        return Matrix([[sum(a * b for a, b in zip(r, c)) for c in zip(*other.rows)] for r in self.rows])\n\n",
-    "You are a careful code reviewer. Point out bugs, then suggest a fix in one sentence.\n\n",
-]
-USERS = ["def parse_line(line):", "def save(obj, path):", "    def transpose(self):", "def merge(a, b):",
-         "Review: x = [i for i in range(10) if i % 2]", "def retry(fn, times=3):"]
-
-
-async def one_request(http: httpx.AsyncClient, rng: random.Random, k: int) -> str:
-    """Sends one random request; returns "ok" or "cancelled" (planned), raises on anything else."""
-    chat = rng.random() < 0.3
-    stream = rng.random() < 0.5
-    cancel = rng.random() < 0.2
-    n = rng.choice([1, 2, 4])
-    system, user = rng.choice(SYSTEMS), rng.choice(USERS)
-    body = {"model": MODEL, "n": n, "max_tokens": rng.randint(2, 8), "temperature": rng.choice([0, 0.7, 1.0]),
-            "seed": k, "stream": stream}
-    if chat:
-        body["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    else:
-        body["prompt"] = system + user
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    if stream:
-        async with http.stream("POST", path, json=body) as r:
-            assert r.status_code == 200, await r.aread()
-            finished = set()
-            async for line in r.aiter_lines():
-                if cancel:
-                    return "cancelled"  # leaving the block closes the connection mid-stream
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                finished |= {c["index"] for c in chunk["choices"] if c.get("finish_reason")}
-            assert finished == set(range(n)), (finished, n)
-            return "ok"
-    task = asyncio.ensure_future(http.post(path, json=body))
-    if cancel:
-        await asyncio.sleep(rng.uniform(0.0, 1.0))
-        if not task.done():
-            task.cancel()  # the client gives up: its connection closes
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            return "cancelled"
-    r = await task
-    assert r.status_code == 200, r.text
-    doc = r.json()
-    assert len(doc["choices"]) == n
-    assert all(c["finish_reason"] in ("stop", "length") for c in doc["choices"])
-    return "ok"
-
-
 async def load_round(server, count: int, seed: int) -> dict:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
     async with httpx.AsyncClient(base_url=server.url, headers=auth(server), timeout=300, limits=limits) as http:
         results = await asyncio.gather(*(one_request(http, random.Random(rng.random()), k) for k in range(count)))
-    return {r: results.count(r) for r in set(results)}
+    outcome = {r: results.count(r) for r in set(results)}
+    assert set(outcome) <= {"ok", "cancelled"}, outcome  # anything else (an error event, a 5xx, ...) fails
+    return outcome
 
 
 def test_load_hundreds_of_concurrent_requests_with_cancellations(forklm_server):

@@ -26,6 +26,7 @@ never touches a block count: it asks the KV manager.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -173,7 +174,7 @@ class Scheduler:
             return False
         room = self.kv.room() - sum(len(r.running) + self._next_sample_blocks(r) for r in self.active)
         bs = self.kv.block_size
-        for req in sorted(self.waiting, key=lambda r: r.arrival)[:4]:
+        for req in heapq.nsmallest(4, self.waiting, key=lambda r: r.arrival):  # the oldest, in one pass
             cached = self.kv.cached_prefix_len(req.prompt_ids)
             if not self._defer(req, cached) and -(-len(req.prompt_ids) // bs) - cached // bs <= room:
                 return True
