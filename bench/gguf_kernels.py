@@ -39,14 +39,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32", help="activation rows T")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--types", default=",".join(TYPES), help="GGUF types, comma-separated")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="weight shapes NxK, comma-separated (e.g. 16384x2048,2048x8192: Llama-3.2-1B's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if block_gemm.build_error() or ggml_gemm.build_error():
         raise SystemExit(f"kernels missing: block {block_gemm.build_error()}, ggml {ggml_gemm.build_error()}")
     torch.manual_seed(0)
     rows = []
-    for type_name in TYPES:
-        for n, k in SHAPES:
+    for type_name in args.types.split(","):
+        for n, k in shapes:
             if type_name.endswith("_K") and k % 256:
                 continue
             stored = ggml_gemm.quantize(torch.randn(n, k) * 0.05, type_name)

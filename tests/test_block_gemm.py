@@ -110,6 +110,36 @@ def test_activation_quantization_is_the_reference_bit_for_bit():
     assert q.abs().max() <= 127
 
 
+def test_super_block_quantization_is_the_reference_bit_for_bit():
+    """Q6_K weights take activations quantized per 256 with the sums of each 16 (ggml's Q8_K)."""
+    x = torch.randn(5, 768) * torch.logspace(-3, 3, 5).unsqueeze(1)
+    x[1, 256:512] = 0.0  # an all-zero super-block: scale 0, values and sums 0
+    x[2, :256] = 2.5  # scale 2.5 / 127: every value rounds to 127
+    x[3, 300] = float("nan")  # a NaN: that super-block's scale NaN, values and sums 0
+    q, d, sums = bg.quantize_q8_k(x)
+    want = bg.quantize_q8_k_reference(x)
+    assert torch.equal(q, want[0]) and torch.equal(sums, want[2])
+    assert torch.equal(d.nan_to_num(-1.0), want[1].nan_to_num(-1.0))
+    assert d.shape == (5, 3) and sums.shape == (5, 48) and sums.dtype == torch.int16
+    assert d[1, 1] == 0 and q[1, 256:512].eq(0).all() and sums[1, 16:32].eq(0).all()
+    assert q[2, :256].eq(127).all() and sums[2, :16].eq(16 * 127).all()
+    assert d[3, 1].isnan() and q[3, 256:512].eq(0).all() and sums[3, 16:32].eq(0).all()
+    assert not d[3, 0].isnan() and not d[3, 2].isnan()  # only the super-block holding it
+
+
+def test_q6_k_integer_sums_do_not_overflow_at_the_extremes():
+    """Every value 63 (the file's +31) or 0 under scale ±128 / 127 against activations at ±127: the
+    int16 pair sums and int32 super-block sums the kernel forms stay in range (against the float64
+    reference)."""
+    n, k = 16, 512
+    for value, scale in ((31, 127), (-32, -128), (31, -128)):
+        q = torch.full((n, k), value, dtype=torch.int8)
+        w = bg.pack_q6_k(q, torch.full((n, k // 256), 1e-3).half().float(), torch.full((n, k // 16), scale, dtype=torch.int8))
+        x = torch.where(torch.rand(3, k) < 0.5, -1.0, 1.0) * 5.0
+        x[0] = 5.0  # all +127
+        assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
+
+
 def test_block_weights_round_trip_the_gguf_values():
     for kind in ("q4_1", "q5_1", "q8_0"):
         b = random_blocks(kind, 40, 96, seed=7)

@@ -28,6 +28,7 @@ import torch
 from forklm.device import cpu_flags
 
 BLOCK = 32
+SUPER_BLOCK = 256  # a K-quant super-block (K-quant weights take activations quantized per 256)
 _SOURCE = Path(__file__).parent / "csrc" / "block_gemm.cpp"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -395,11 +396,25 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, d, s
 
 
-def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row and block of 32: d = max|x| / 127, q = round_half_even(x · (1/d)), s = d · Σq (d below
-    the smallest normal float: q = 0; a non-finite value in the block: d = s = NaN, q = 0)."""
+def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization for K-quant weights (for tests): q int8 [T, K], d float32
+    [T, K/256], sums of each 16 q int16 [T, K/16]."""
+    q, d, sums = _extension().quantize_q8_k(x)
+    return q, d, sums
+
+
+def quantize_q8_k_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_q8_reference`'s rule over super-blocks of 256 values, and the sums of each 16 q."""
     t, k = x.shape
-    xb = x.float().reshape(t, k // BLOCK, BLOCK)
+    q, d, _ = quantize_q8_reference(x, block=SUPER_BLOCK)
+    return q, d, q.view(t, k // 16, 16).sum(-1, dtype=torch.int16)
+
+
+def quantize_q8_reference(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row and block of 32 (`block`): d = max|x| / 127, q = round_half_even(x · (1/d)), s = d · Σq
+    (d below the smallest normal float: q = 0; a non-finite value in the block: d = s = NaN, q = 0)."""
+    t, k = x.shape
+    xb = x.float().reshape(t, k // block, block)
     d = xb.abs().amax(-1) / 127
     inv = torch.where(d >= torch.finfo(torch.float32).tiny, 1 / d, torch.zeros_like(d))
     q = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127)
@@ -423,13 +438,15 @@ def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tenso
     if residual is not None:
         return residual + gemm_reference(x, w)
     t, k = x.shape
-    qx, dx, sx = quantize_q8_reference(x)
+    act_block = SUPER_BLOCK if w.kind.endswith("_k") else BLOCK  # K-quant weights: activations per 256
+    qx, dx, sx = quantize_q8_reference(x, block=act_block)
     qw, dw, mw = w.unpack()
     ng = dw.shape[1]  # groups of values sharing a weight scale: blocks of 32 (q6_k: halves of 16)
     g = k // ng
     isum = torch.einsum("tbi,obi->tob", qx.long().view(t, ng, g), qw.long().view(w.n, ng, g))  # [T, N, ng]
-    dxg = dx.repeat_interleave(BLOCK // g, dim=1)
+    dxg = dx.repeat_interleave(act_block // g, dim=1)
     y = (isum.double() * dxg.double().unsqueeze(1) * dw.double().unsqueeze(0)).sum(-1)
-    if mw is not None:
+    if mw is not None:  # minima per block of 32: the row's dx·Σq over each 32
+        sx = dx.repeat_interleave(act_block // BLOCK, dim=1) * qx.view(t, k // BLOCK, BLOCK).sum(-1).float()
         y = y + sx.double() @ mw.double().t()
     return y.float()

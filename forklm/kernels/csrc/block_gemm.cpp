@@ -1,4 +1,4 @@
-// Products of float32 activations with GGUF Q4_1 / Q5_1 / Q8_0 weight blocks on x86 CPUs with
+// Products of float32 activations with GGUF Q4_1 / Q5_1 / Q8_0 / K-quant weight blocks on x86 CPUs with
 // AVX2, as integer dot products (the scheme llama.cpp uses on these CPUs, written here for PyTorch).
 //
 // Weights [N, K] keep the file's blocks of 32 values along K, their values and scales held in
@@ -6,14 +6,17 @@
 //   Q4_1  w = d·q + m, q in 0..15 (value j: low nibble of byte j, value j + 16: its high nibble)
 //   Q5_1  w = d·q + m, q in 0..31: Q4_1's nibbles and a fifth bit per value (`high_bits`)
 //   Q4_K  Q4_1's values with the K-quants' scales: per block d = ds·sc (ds fp16 per 8 blocks, sc a
-//         6-bit integer per block) and m = dm·mq (the same way), formed exactly in float32
+//         6-bit integer per block, applied in integers: `tile_k`) and m = dm·mq (the same way,
+//         formed exactly in float32)
 //   Q5_K  Q5_1's values with the K-quants' scales
 //   Q6_K  w = ds·sc·q, q in −32..31 (4 low bits as Q4_1's nibbles, 2 high bits in q2), sc an int8
 //         per 16 values under a float16 ds per 256 (`tile_q6`)
 //   Q8_0  w = d·q, q int8
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
-// and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`).
+// and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`). For K-quant weights the
+// same rule runs over super-blocks of 256 (one dx per 256, the sums of each 16 q kept: ggml's Q8_K),
+// so a super-block's sub-block scales apply in integers (`tile_q6`); so for Q4_K / Q5_K (`tile_k`).
 //
 // Batch invariance: row t's result depends on row t alone (per-row activation scales; a row's
 // operations are the same whichever tile of rows it shares), so a sample's numbers never depend on
@@ -36,6 +39,7 @@
 namespace {
 
 constexpr int64_t QK = 32;
+constexpr int QKK = 256;  // a K-quant super-block
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -70,8 +74,42 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
   *s = dd * static_cast<float>(sum);
 }
 
+// One row super-block of 256 floats -> 256 int8 (the same rule over 256 values: d = max|x| / 127,
+// rounded half to even) and the sums of each 16 of them (K-quant weights' sub-blocks; Q8_K's bsums).
+// Non-finite values: d = NaN, values and sums 0; d below FLT_MIN: zeros.
+inline void quantize_super_block(const float* x, int8_t* q, float* d, int16_t* sums) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int i = 0; i < QKK; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::fmax(amax, std::fabs(x[i]));
+  }
+  if (!finite) {
+    std::memset(q, 0, QKK);
+    std::memset(sums, 0, QKK / 16 * sizeof(int16_t));
+    *d = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float dd = amax / 127.f;
+  const float id = dd >= std::numeric_limits<float>::min() ? 1.f / dd : 0.f;
+  for (int g = 0; g < QKK / 16; ++g) {
+    int sum = 0;
+    for (int i = g * 16; i < g * 16 + 16; ++i) {
+      const int v = static_cast<int>(std::fmin(127.f, std::fmax(-127.f, std::nearbyint(x[i] * id))));
+      q[i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    sums[g] = static_cast<int16_t>(sum);
+  }
+  *d = dd;
+}
+
+// Quantized activation rows. Blocks of 32 (Q4_1 / Q5_1 / Q8_0 weights): q, d and s = d·Σq per block.
+// Super-blocks of 256 (K-quant weights, `tile_q6` / `tile_k`): q, d per super-block, and the sums of
+// each 16 values in `sums` (s unused).
 struct QuantizedRows {
-  torch::Tensor q, d, s;  // int8 [T, K], float32 [T, K/32], float32 [T, K/32]
+  torch::Tensor q, d, s;  // int8 [T, K]; float32 [T, K/32] (super-blocks: d [T, K/256], s empty)
+  torch::Tensor sums;     // super-blocks only: int16 [T, K/16]
 };
 
 // What the kernel does to a row of x before quantizing it (so the op before a product needs no
@@ -104,17 +142,27 @@ void prologue_row(const float* x, int64_t K, Prologue mode, const float* w, floa
   }
 }
 
-QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, const float* w, float eps) {
-  const int64_t T = x.size(0), nb = K / QK, stride = x.size(1);
+// The rows of x after the prologue, quantized in blocks of 32 or (super) of 256.
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, const float* w, float eps,
+                            bool super = false) {
+  const int64_t T = x.size(0), group = super ? QKK : QK, nb = K / group, stride = x.size(1);
   QuantizedRows r{torch::empty({T, K}, torch::kInt8), torch::empty({T, nb}, torch::kFloat32),
-                  torch::empty({T, nb}, torch::kFloat32)};
-  const float* xp = x.data_ptr<float>();
+                  torch::empty({super ? 0 : T, nb}, torch::kFloat32),
+                  torch::empty({super ? T : 0, K / 16}, torch::kInt16)};
   int8_t* qp = r.q.data_ptr<int8_t>();
   float* dp = r.d.data_ptr<float>();
   float* sp = r.s.data_ptr<float>();
+  int16_t* gp = r.sums.data_ptr<int16_t>();
+  const auto block = [&](const float* src, int64_t t, int64_t b) {  // block b of row t
+    if (super)
+      quantize_super_block(src, qp + t * K + b * QKK, dp + t * nb + b, gp + t * (K / 16) + b * (QKK / 16));
+    else
+      quantize_block(src, qp + t * K + b * QK, dp + t * nb + b, sp + t * nb + b);
+  };
+  const float* xp = x.data_ptr<float>();
   if (mode == PLAIN) {
-    at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) quantize_block(xp + b * QK, qp + b * QK, dp + b, sp + b);
+    at::parallel_for(0, T * nb, super ? 32 : 256, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) block(xp + (b / nb) * stride + (b % nb) * group, b / nb, b % nb);
     });
     return r;
   }
@@ -122,8 +170,7 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, co
     std::vector<float> row(K);
     for (int64_t t = t0; t < t1; ++t) {
       prologue_row(xp + t * stride, K, mode, w, eps, row.data());
-      for (int64_t b = 0; b < nb; ++b)
-        quantize_block(row.data() + b * QK, qp + t * K + b * QK, dp + t * nb + b, sp + t * nb + b);
+      for (int64_t b = 0; b < nb; ++b) block(row.data() + b * group, t, b);
     }
   });
   return r;
@@ -148,9 +195,8 @@ struct Weights {
   const uint8_t* sc = nullptr;   // K-quant scales only (Q6_K: int8 [N, 2·nb], one per 16 values)
   const uint16_t* dm = nullptr;  // K-quant scales only
   const uint8_t* q2 = nullptr;   // Q6_K only: [N, nb, 8] the values' bits 4-5 (`load_q6`)
-  // K-quant scales formed once per chunk of outputs [o0, o0 + 64) (`expand_k_scales`): df [64, nb]
-  // the blocks' d, mf [8, nb, 8] their minima grouped as m (o0 a multiple of 8)
-  const float* df = nullptr;
+  // K-quant minima formed once per chunk of outputs [o0, o0 + 64) (`expand_k_minima`): mf [8, nb, 8]
+  // grouped as m (o0 a multiple of 8)
   const float* mf = nullptr;
   int64_t o0 = 0;
 };
@@ -200,16 +246,12 @@ inline __m256 s8_to_float(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The K-quant scales of outputs [o0, o1) (o1 − o0 <= 64, o0 a multiple of 8) as floats: df[(o − o0)·nb + b]
-// = ds·sc and mf[((o − o0)/8·nb + b)·8 + o % 8] = dm·mq, each product exact in float32 (11 by 6
-// significant bits), formed once per chunk instead of per tile and row.
-inline void expand_k_scales(const Weights& w, int64_t o0, int64_t o1, float* df, float* mf) {
+// The K-quant minima of outputs [o0, o1) (o1 − o0 <= 64, o0 a multiple of 8) as floats, grouped as
+// Q4_1's m: mf[((o − o0)/8·nb + b)·8 + o % 8] = dm·mq, each product exact in float32 (11 by 6
+// significant bits), formed once per chunk instead of per tile and row (`minima_terms`).
+inline void expand_k_minima(const Weights& w, int64_t o0, int64_t o1, float* mf) {
   const int64_t nb = w.nb, nsb = nb / 8;
   const uint8_t* mq = reinterpret_cast<const uint8_t*>(w.m);
-  for (int64_t o = o0; o < o1; ++o)
-    for (int64_t sb = 0; sb < nsb; ++sb)
-      _mm256_storeu_ps(df + (o - o0) * nb + sb * 8,
-                       _mm256_mul_ps(_mm256_set1_ps(half_to_float(w.d[o * nsb + sb])), u8_to_float(w.sc + o * nb + sb * 8)));
   for (int64_t g = o0 / 8; g < (o1 + 7) / 8; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dm + (g * nsb + b / 8) * 8)));
@@ -217,27 +259,11 @@ inline void expand_k_scales(const Weights& w, int64_t o0, int64_t o1, float* df,
     }
 }
 
-// Output o's scale of block b (K-quants: the chunk's expanded ds·sc).
-template <bool KS>
-inline float block_scale(const Weights& w, int64_t o, int64_t b) {
-  if constexpr (KS) return w.df[(o - w.o0) * w.nb + b];
-  return half_to_float(w.d[o * w.nb + b]);
-}
-
-// Output o's scales of all nb blocks into f.
-template <bool KS>
-inline void row_scales(const Weights& w, int64_t o, float* f) {
-  if constexpr (KS) {
-    std::memcpy(f, w.df + (o - w.o0) * w.nb, w.nb * sizeof(float));
-  } else {
-    halves_to_float(w.d + o * w.nb, f, w.nb);
-  }
-}
+// Output o's scale of block b.
+inline float block_scale(const Weights& w, int64_t o, int64_t b) { return half_to_float(w.d[o * w.nb + b]); }
 
 // Output o's scales of blocks b and b + 1 (b even) in lanes 0 and 1.
-template <bool KS>
 inline __m128 pair_scales(const Weights& w, int64_t o, int64_t b) {
-  if constexpr (KS) return load_two(w.df + (o - w.o0) * w.nb + b);
   int32_t dpair;
   std::memcpy(&dpair, w.d + o * w.nb + b, sizeof dpair);
   return _mm_cvtph_ps(_mm_cvtsi32_si128(dpair));
@@ -388,7 +414,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
   float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
   prefetch_outputs(w, o + 2 * TO, TO, N);
   for (int i = 0; i < TO; ++i) {
-    row_scales<false>(w, o + i, dw + i * nb);
+    halves_to_float(w.d + (o + i) * w.nb, dw + i * nb, w.nb);
     for (int j = 0; j < TN; ++j) {
       float* s = sc + (i * TN + j) * nb;
       const float* dxj = x.d + j * nb;
@@ -428,7 +454,7 @@ struct PairedActs {
 // lanes 0-3 are block b's sums, 4-7 block b+1's, scaled by the output's spread d_w (converted once
 // per pair) times the row's spread d_x. A row's operations are the same in every tile, and the
 // same as `one_row_q4_1`'s, so no row count changes a result.
-template <int TO, int TN, bool H5 = false, bool KS = false>
+template <int TO, int TN, bool H5 = false>
 void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& xp, float* y, int64_t N) {
   const int64_t nb = w.nb, pairs = nb / 2;
   prefetch_outputs(w, o + 2 * TO, TO, N);
@@ -448,7 +474,7 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
         wlo[i] = _mm256_or_si256(wlo[i], high_bits(w.qh[(o + i) * nb + 2 * pr]));
         whi[i] = _mm256_or_si256(whi[i], high_bits(w.qh[(o + i) * nb + 2 * pr + 1]));
       }
-      dwv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair_scales<KS>(w, o + i, 2 * pr)), pair_idx);
+      dwv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair_scales(w, o + i, 2 * pr)), pair_idx);
     }
     for (int j = 0; j < TN; ++j) {
       const int8_t* xj = xp.xp + j * x.K + pr * 2 * QK;
@@ -465,7 +491,7 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
     const int64_t b = nb - 1;
     for (int i = 0; i < TO; ++i) {
       const __m256i wv = load_weights<true, H5>(w, o + i, b);
-      const float dw = block_scale<KS>(w, o + i, b);
+      const float dw = block_scale(w, o + i, b);
       for (int j = 0; j < TN; ++j) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
         const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(wv, xv));
@@ -477,10 +503,9 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
     for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + x.minima_term(j, o + i);
 }
 
-// Outputs [o0, o1) for TN rows: TO outputs at a time, the remainder one by one.
-// Q6_K block b of output o as 32 int8 values q − 32 in −32..31: the nibbles as Q4_1's, and the 8
-// bytes of q2 where byte j holds the bits 4-5 of values j, j + 8, j + 16, j + 24 (bits 0-1, 2-3, 4-5,
-// 6-7): broadcast to the four 8-byte quarters, quarter s shifted right by 2s.
+// Q6_K block b of output o as 32 uint8 values q in 0..63 (the file's value + 32): the nibbles as
+// Q4_1's, and the 8 bytes of q2 where byte j holds the bits 4-5 of values j, j + 8, j + 16, j + 24
+// (bits 0-1, 2-3, 4-5, 6-7): broadcast to the four 8-byte quarters, quarter s shifted right by 2s.
 inline __m256i load_q6(const Weights& w, int64_t o, int64_t b) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
   const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
@@ -488,39 +513,68 @@ inline __m256i load_q6(const Weights& w, int64_t o, int64_t b) {
   std::memcpy(&bits, w.q2 + (o * w.nb + b) * 8, sizeof bits);
   __m256i high = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
   high = _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(3)), 4);  // bytes <= 3 before: none spills
-  return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+  return _mm256_or_si256(low, high);
 }
 
-// Q6_K products of TO outputs and TN rows: as `tile`'s Q8_0 path (signed values), each block's 8
-// int32 sums scaled per half (lanes 0-3: values 0-15, lanes 4-7: values 16-31, each half its own
-// sub-block scale ds·sc, exact in float32) times the row's dx. scratch: >= 2·TO·nb floats.
+// Activation rows quantized in super-blocks of 256 (`quantize_super_block`), as `tile_q6` reads them.
+struct SuperActs {
+  const int8_t* q;     // [T, K]
+  const float* d;      // [T, K/256]
+  const int16_t* sums; // [T, K/16]
+  int64_t K;
+  SuperActs rows_from(int64_t t) const { return SuperActs{q + t * K, d + t * (K / QKK), sums + t * (K / 16), K}; }
+};
+
+// int16 lanes 0-7 = scale of sub-block 2b, lanes 8-15 = of 2b + 1, from a super-block's 16 scales
+// as int16 (the halves of block b's int16 pair sums from maddubs: values 0-15, then 16-31).
+inline __m256i sub_block_scales(__m256i sc16, int b) {
+  const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(b));
+  return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                    2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+}
+
+// Q6_K products of TO outputs and TN rows, as integers within each super-block of 256 (the scheme
+// ggml runs Q6_K with): per block of 32, maddubs of the unsigned values (q + 32, 0..63) with the
+// row's int8 values gives int16 pair sums (<= 2·63·127: no saturation), madd with the sub-block
+// scales sums them in int32 (<= 8 blocks · 2 · 16002 · 128 < 2³¹); the +32 comes off as
+// 32·Σ sc·(the row's sums of 16), also in integers; then one float step per super-block:
+// acc += (ds·dx) · Σ. A row's operations are the same in every tile, so no row count changes a result.
 template <int TO, int TN>
-void tile_q6(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
-  const int64_t nb = w.nb;
-  float* dw = scratch;  // [TO, 2·nb]
+void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t N) {
+  const int64_t nb = w.nb, nsb = nb / 8;
   prefetch_outputs(w, o + 2 * TO, TO, N);
   const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc);
-  for (int i = 0; i < TO; ++i)
-    for (int64_t s = 0; s < 2 * nb; s += 8)  // 16 sub-blocks to a super-block
-      _mm256_storeu_ps(dw + i * 2 * nb + s, _mm256_mul_ps(_mm256_set1_ps(half_to_float(w.d[(o + i) * (nb / 8) + s / 16])),
-                                                         s8_to_float(sc + (o + i) * 2 * nb + s)));
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
-  const __m256i half_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i wv[TO];
-    __m256 dwv[TO];
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m256i sc16[TO];
+    float ds[TO];
     for (int i = 0; i < TO; ++i) {
-      wv[i] = load_q6(w, o + i, b);
-      dwv[i] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(load_two(dw + i * 2 * nb + 2 * b)), half_idx);
+      sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (o + i) * 2 * nb + sb * 16)));
+      ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
+    }
+    __m256i isum[TO][TN];
+    for (int i = 0; i < TO; ++i)
+      for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
+    for (int b = 0; b < 8; ++b) {
+      __m256i wv[TO], scale[TO];
+      for (int i = 0; i < TO; ++i) {
+        wv[i] = load_q6(w, o + i, sb * 8 + b);
+        scale[i] = sub_block_scales(sc16[i], b);
+      }
+      for (int j = 0; j < TN; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (sb * 8 + b) * QK));
+        for (int i = 0; i < TO; ++i)
+          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xv), scale[i]));
+      }
     }
     for (int j = 0; j < TN; ++j) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
-      const __m256 dx = _mm256_set1_ps(x.d[j * nb + b]);
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + j * (x.K / 16) + sb * 16));
+      const float dx = x.d[j * nsb + sb];
       for (int i = 0; i < TO; ++i) {
-        const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
-        acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dwv[i], dx), p, acc[i][j]);
+        const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), 5));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(total), acc[i][j]);
       }
     }
   }
@@ -529,10 +583,10 @@ void tile_q6(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, fl
 }
 
 template <int TO, int TN>
-void tile_q6_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
+void tile_q6_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x, float* y, int64_t N) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) tile_q6<TO, TN>(w, o, x, y, N, scratch);
-  for (; o < o1; ++o) tile_q6<1, TN>(w, o, x, y, N, scratch);
+  for (; o + TO <= o1; o += TO) tile_q6<TO, TN>(w, o, x, y, N);
+  for (; o < o1; ++o) tile_q6<1, TN>(w, o, x, y, N);
 }
 
 template <int TO, int TN>
@@ -542,12 +596,91 @@ void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y
   for (; o < o1; ++o) tile<1, TN>(w, o, x, y, N, scratch);
 }
 
-template <int TO, int TN, bool H5 = false, bool KS = false>
+template <int TO, int TN, bool H5 = false>
 void paired_tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const PairedActs& xp, float* y,
                       int64_t N) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) paired_tile<TO, TN, H5, KS>(w, o, x, xp, y, N);
-  for (; o < o1; ++o) paired_tile<1, TN, H5, KS>(w, o, x, xp, y, N);
+  for (; o + TO <= o1; o += TO) paired_tile<TO, TN, H5>(w, o, x, xp, y, N);
+  for (; o < o1; ++o) paired_tile<1, TN, H5>(w, o, x, xp, y, N);
+}
+
+// Activation rows for Q4_K / Q5_K weights: quantized in super-blocks of 256 (`quantize_super_block`),
+// their values paired as `pair_activations` lays them out, and the chunk's minima terms.
+struct KActs {
+  const int8_t* xp;  // [T, K] paired
+  const float* d;    // [T, K/256]
+  int64_t K;
+  const float* mt;   // row j's minima term of output o at mt[j·mt_ld + o − mt_o0]
+  int64_t mt_ld, mt_o0;
+  KActs rows_from(int64_t t) const { return KActs{xp + t * K, d + t * (K / QKK), K, mt + t * mt_ld, mt_ld, mt_o0}; }
+};
+
+// Q4_K / Q5_K products of TO outputs and TN rows, in integers within each super-block of 256 (the
+// scheme ggml runs K-quants with): a 32-byte load holds blocks b and b + 1's values (as `paired_tile`
+// reads Q4_1), maddubs of both halves with the row's paired int8 values gives int16 sums (<= 2·2·31·127),
+// madd with the blocks' 6-bit scales (lanes 0-7 block b's, 8-15 block b + 1's) sums them in int32
+// (<= 4 pairs · 2 · 15748 · 63 < 2³¹); then one float step per super-block, acc += (ds·dx) · Σ, and the
+// minima term (`minima_terms` over the blocks' dm·mq and the row's dx·Σq per 32) at the end. A row's
+// operations are the same in every tile, so no row count changes a result.
+template <int TO, int TN, bool H5>
+void tile_k(const Weights& w, int64_t o, const KActs& x, float* y, int64_t N) {
+  const int64_t nb = w.nb, nsb = nb / 8;
+  prefetch_outputs(w, o + 2 * TO, TO, N);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[TO][TN];
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m256i sc8[TO];  // the super-block's 8 block scales as int16, in both 128-bit lanes
+    float ds[TO];
+    for (int i = 0; i < TO; ++i) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + (o + i) * nb + sb * 8));
+      sc8[i] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(bytes));
+      ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
+    }
+    __m256i isum[TO][TN];
+    for (int i = 0; i < TO; ++i)
+      for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {  // blocks 2p and 2p + 1 of the super-block
+      const int64_t pr = sb * 4 + p;
+      const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * p + 3) << 8) | (4 * p + 2))),
+                                            _mm_set1_epi16(static_cast<int16_t>(((4 * p + 1) << 8) | (4 * p))));
+      __m256i wlo[TO], whi[TO], scale[TO];
+      for (int i = 0; i < TO; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + pr * QK));
+        wlo[i] = _mm256_and_si256(v, low4);
+        whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (H5) {
+          wlo[i] = _mm256_or_si256(wlo[i], high_bits(w.qh[(o + i) * nb + 2 * pr]));
+          whi[i] = _mm256_or_si256(whi[i], high_bits(w.qh[(o + i) * nb + 2 * pr + 1]));
+        }
+        scale[i] = _mm256_shuffle_epi8(sc8[i], pick);
+      }
+      for (int j = 0; j < TN; ++j) {
+        const int8_t* xj = x.xp + j * x.K + pr * 2 * QK;
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
+        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
+        for (int i = 0; i < TO; ++i) {
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wlo[i], xlo), _mm256_maddubs_epi16(whi[i], xhi));
+          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(p16, scale[i]));
+        }
+      }
+    }
+    for (int j = 0; j < TN; ++j) {
+      const float dx = x.d[j * nsb + sb];
+      for (int i = 0; i < TO; ++i)
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
+    }
+  }
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + x.mt[j * x.mt_ld + o + i - x.mt_o0];
+}
+
+template <int TO, int TN, bool H5>
+void tile_k_rows(const Weights& w, int64_t o0, int64_t o1, const KActs& x, float* y, int64_t N) {
+  int64_t o = o0;
+  for (; o + TO <= o1; o += TO) tile_k<TO, TN, H5>(w, o, x, y, N);
+  for (; o < o1; ++o) tile_k<1, TN, H5>(w, o, x, y, N);
 }
 
 // A lone activation row times Q4_1-type outputs [o0, o1): the operations of paired_tile<1, 1> (so
@@ -555,7 +688,7 @@ void paired_tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, c
 // and the minima terms formed group by group as it goes (a decode step's products stream their
 // weights from memory: no scratch passes). xp: [nb/2] pairs of 32 bytes (low halves of blocks b and
 // b+1, then their high halves).
-template <bool H5 = false, bool KS = false>
+template <bool H5 = false>
 void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const int8_t* xp, float* y, int64_t N) {
   const int64_t nb = w.nb;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -566,15 +699,12 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
     if (x.mt == nullptr && (o == o0 || (o & 7) == 0)) {
       group = o;
       prefetch_minima(w, nb, std::min(o1, (o | 7) + 17), std::min(o1, (o | 7) + 25));  // two groups ahead
-      minima_terms<KS>(w, o, std::min(o1, (o | 7) + 1), x.s, 1, nb, group_terms);
+      minima_terms(w, o, std::min(o1, (o | 7) + 1), x.s, 1, nb, group_terms);
     }
     if (o + 3 <= N) {  // the weights two outputs ahead into cache, as `tile`
       const char* values = reinterpret_cast<const char*>(w.qs + (o + 2) * w.row_bytes);
       for (int64_t off = 0; off < w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
-      if constexpr (KS)
-        _mm_prefetch(reinterpret_cast<const char*>(w.sc + (o + 2) * nb), _MM_HINT_T0);
-      else
-        _mm_prefetch(reinterpret_cast<const char*>(w.d + (o + 2) * nb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w.d + (o + 2) * nb), _MM_HINT_T0);
       if constexpr (H5)
         for (int64_t off = 0; off < nb * 4; off += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w.qh + (o + 2) * nb) + off, _MM_HINT_T0);
@@ -592,13 +722,13 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
         whi = _mm256_or_si256(whi, high_bits(w.qh[o * nb + b + 1]));
       }
       const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo, xlo, whi, xhi));
-      const __m128 s2 = _mm_mul_ps(pair_scales<KS>(w, o, b), load_two(x.d + b));
+      const __m128 s2 = _mm_mul_ps(pair_scales(w, o, b), load_two(x.d + b));
       acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx), p, acc);
     }
     for (; b < nb; ++b) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QK));
       const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(load_weights<true, H5>(w, o, b), xv));
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(block_scale<KS>(w, o, b) * x.d[b]), p, acc);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(w, o, b) * x.d[b]), p, acc);
     }
     y[o] = hsum(acc) + (x.mt == nullptr ? group_terms[o - group] : x.minima_term(0, o));
   }
@@ -700,7 +830,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
   const QuantizedRows xq = quantize_rows(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr,
-                                         static_cast<float>(eps));
+                                         static_cast<float>(eps), S6 || KS);
   const Weights w_all{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
                   H5 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
@@ -709,12 +839,21 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                   S6 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
   const int8_t* qx = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
-  const float* sx = xq.s.data_ptr<float>();
+  const SuperActs super_rows{qx, dx, S6 || KS ? xq.sums.data_ptr<int16_t>() : nullptr, K};
+  // K-quants' minima terms take each block's dx·Σq from the super-block's dx and sums of 16
+  std::vector<float> k_sx(KS ? T * nb : 0);
+  if constexpr (KS)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int16_t* sums = super_rows.sums + t * (K / 16) + 2 * b;
+        k_sx[t * nb + b] = dx[t * (nb / 8) + b / 8] * static_cast<float>(sums[0] + sums[1]);
+      }
+  const float* sx = KS ? k_sx.data() : xq.s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   // Q4_1 rows' paired activations (`one_row_q4_1`'s lone last row; `paired_tile`'s rows with their
   // spread scales), prepared once per call.
-  const bool paired_rows = Q41 && T >= 2;
+  const bool paired_rows = Q41 && !KS && T >= 2;
   const int64_t pairs = nb / 2;
   std::vector<int8_t> xpairs;
   std::vector<float> dx_spread;
@@ -728,21 +867,22 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       for (int64_t pr = 0; pr < pairs; ++pr)
         for (int k = 0; k < 8; ++k) dx_spread[(t * pairs + pr) * 8 + k] = dx[t * nb + 2 * pr + k / 4];
   }
-  // the minima terms of a chunk's outputs for all rows, before its tiles; a lone row's are formed by
-  // one_row_q4_1 group by group as it goes (a chunk pass ahead of a lone row's products slowed them)
-  const bool chunk_minima = Q41 && T != 1;
+  // the minima terms of a chunk's outputs for all rows, before its tiles; a lone row's Q4_1 / Q5_1
+  // terms are formed by one_row_q4_1 group by group as it goes (a chunk pass ahead of a lone row's
+  // products slowed them)
+  const bool chunk_minima = Q41 && (KS || T != 1);
   // threads split the outputs at multiples of 8 (the minima's groups; any split gives the same bits)
   at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
     const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
     std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
     std::vector<float> minima(chunk_minima ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
-    std::vector<float> k_scales(KS ? ROWS_PER_CHUNK * nb : 0), k_minima(KS ? ROWS_PER_CHUNK * nb : 0);
+    std::vector<float> k_minima(KS ? ROWS_PER_CHUNK * nb : 0);
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
-      Weights w = w_all;  // K-quants: with this chunk's scales expanded
+      Weights w = w_all;  // K-quants: with this chunk's minima expanded
       if constexpr (KS) {
-        expand_k_scales(w, c0, c1, k_scales.data(), k_minima.data());
-        w.df = k_scales.data(), w.mf = k_minima.data(), w.o0 = c0;
+        expand_k_minima(w, c0, c1, k_minima.data());
+        w.mf = k_minima.data(), w.o0 = c0;
       }
       if (chunk_minima) {
         prefetch_minima(w, nb, c1, std::min(z, c1 + ROWS_PER_CHUNK));  // the next chunk's
@@ -753,21 +893,32 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       int64_t t = 0;
       if constexpr (S6) {
         for (; t + 4 <= T; t += 4)
-          tile_q6_rows<ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
-        const Acts rest = all.rows_from(t);
+          tile_q6_rows<1, 4>(w, c0, c1, super_rows.rows_from(t), yp + t * n, n);
+        const SuperActs rest = super_rows.rows_from(t);
         switch (T - t) {
-          case 3: tile_q6_rows<2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 2: tile_q6_rows<4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 1: tile_q6_rows<1, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 3: tile_q6_rows<1, 3>(w, c0, c1, rest, yp + t * n, n); break;
+          case 2: tile_q6_rows<2, 2>(w, c0, c1, rest, yp + t * n, n); break;
+          case 1: tile_q6_rows<1, 1>(w, c0, c1, rest, yp + t * n, n); break;
+          default: break;
+        }
+      } else if constexpr (KS) {
+        const KActs k_rows{xpairs.data(), dx, K, minima.data(), c1 - c0, c0};
+        for (; t + 4 <= T; t += 4)
+          tile_k_rows<1, 4, H5>(w, c0, c1, k_rows.rows_from(t), yp + t * n, n);
+        const KActs rest = k_rows.rows_from(t);
+        switch (T - t) {
+          case 3: tile_k_rows<1, 3, H5>(w, c0, c1, rest, yp + t * n, n); break;
+          case 2: tile_k_rows<2, 2, H5>(w, c0, c1, rest, yp + t * n, n); break;
+          case 1: tile_k_rows<1, 1, H5>(w, c0, c1, rest, yp + t * n, n); break;
           default: break;
         }
       } else if constexpr (Q41) {
         for (; t + 4 <= T; t += 4)
-          paired_tile_rows<ROW_TILE_OUTS, 4, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
+          paired_tile_rows<ROW_TILE_OUTS, 4, H5>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n);
         switch (T - t) {
-          case 3: paired_tile_rows<2, 3, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
-          case 2: paired_tile_rows<4, 2, H5, KS>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
-          case 1: one_row_q4_1<H5, KS>(w, c0, c1, all.rows_from(t), xpairs.data() + t * K, yp + t * n, n); break;
+          case 3: paired_tile_rows<2, 3, H5>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
+          case 2: paired_tile_rows<4, 2, H5>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
+          case 1: one_row_q4_1<H5>(w, c0, c1, all.rows_from(t), xpairs.data() + t * K, yp + t * n, n); break;
           default: break;
         }
       } else {  // Q8_0
@@ -833,6 +984,14 @@ std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x_in) {
               "activations must be a float32 CPU matrix [T, K] with K a multiple of 32");
   QuantizedRows r = quantize_rows(x, x.size(1), PLAIN, nullptr, 0.f);
   return {r.q, r.d, r.s};
+}
+
+std::vector<torch::Tensor> quantize_q8_k(const torch::Tensor& x_in) {
+  const torch::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu() && x.size(1) % QKK == 0,
+              "activations must be a float32 CPU matrix [T, K] with K a multiple of 256");
+  QuantizedRows r = quantize_rows(x, x.size(1), PLAIN, nullptr, 0.f, true);
+  return {r.q, r.d, r.sums};
 }
 
 
@@ -1059,6 +1218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qh") = py::none(), py::arg("sc") = py::none(), py::arg("mq") = py::none(),
         py::arg("q2") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_q8_k", &quantize_q8_k, "x [T, K] float32 -> (q int8 [T, K], d [T, K/256], sums of 16 int16 [T, K/16])",
         py::call_guard<py::gil_scoped_release>());
 }
 #endif
