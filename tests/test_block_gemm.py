@@ -240,22 +240,23 @@ def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_
     assert (prefill.argmax(-1) == ref_prefill.argmax(-1)).float().mean() >= 0.75
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("t", [1, 3, 6])
 def test_fused_prologues_and_residual_match_their_operators(kind, t):
     """RMSNorm and SwiGLU before the quantization, the residual add after: against the same steps
     as separate PyTorch operators (the quantization of nearly equal rows may differ by a step at a
     rounding boundary: a tolerance, not bit equality)."""
     g = torch.Generator().manual_seed(t)
-    w = random_blocks(kind, 96, 128, seed=t).to_block_weights()
-    x = torch.randn(t, 128, generator=g) * 3
-    norm = torch.rand(128, generator=g) + 0.5
+    k = 256 if kind.endswith("_k") else 128  # K-quants: activations quantized per 256
+    w = random_weights(kind, 96, k, seed=t)
+    x = torch.randn(t, k, generator=g) * 3
+    norm = torch.rand(k, generator=g) + 0.5
     res = torch.randn(t, 96, generator=g)
     fused = bg.gemm(x, w, norm_weight=norm, eps=1e-5, residual=res)
     assert rel_err(fused, bg.gemm_reference(x, w, norm_weight=norm, eps=1e-5, residual=res)) < 1e-3
     xn = norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert rel_err(bg.gemm(x, w, norm_weight=norm, eps=1e-5), bg.gemm(xn, w)) < 1e-3
-    gu = torch.randn(t, 256, generator=g) * 2
+    gu = torch.randn(t, 2 * k, generator=g) * 2
     gate, up = gu.chunk(2, dim=-1)
     swi = bg.gemm(gu, w, swiglu=True)
     assert rel_err(swi, bg.gemm_reference(gu, w, swiglu=True)) < 1e-3
@@ -265,9 +266,42 @@ def test_fused_prologues_and_residual_match_their_operators(kind, t):
     alone = torch.cat([bg.gemm(gu[i : i + 1], w, swiglu=True) for i in range(t)])
     assert torch.equal(alone, swi)  # still one row at a time
     with pytest.raises(RuntimeError, match="rms_norm weight"):
-        bg.gemm(x, w, norm_weight=torch.rand(64), eps=1e-5)
+        bg.gemm(x, w, norm_weight=torch.rand(k // 2), eps=1e-5)
     with pytest.raises(RuntimeError, match="residual"):
         bg.gemm(x, w, residual=torch.randn(t, 95))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_k_quant_rows_with_nan_or_tiny_values_stay_in_their_super_block(kind):
+    """A NaN in one super-block makes its row NaN (as a dense product would) and leaves the other
+    rows alone; a row of subnormal values quantizes to zeros and gives the minima-free zero product."""
+    w = random_weights(kind, 24, 512, seed=5)
+    x = torch.randn(4, 512)
+    x[1, 300] = float("nan")
+    x[2] = 1e-40  # below the smallest normal float: scale 0, values 0
+    y = bg.gemm(x, w)
+    assert y[1].isnan().all() and not y[[0, 3]].isnan().any()
+    assert torch.equal(y[2], torch.zeros(24))
+    assert torch.equal(y[[0, 3]], bg.gemm(x[[0, 3]], w))
+    ref = bg.gemm_reference(x[[0, 3]], w)
+    assert rel_err(y[[0, 3]], ref) < 1e-5
+
+
+@pytest.mark.parametrize("five", [False, True])
+def test_q4_k_q5_k_integer_sums_do_not_overflow_at_the_extremes(five):
+    """Values at their largest (15 / 31) under scale 63 and minimum 63 against activations at ±127:
+    the int16 pair sums and int32 super-block sums stay in range (against the float64 reference)."""
+    n, k = 16, 512
+    top = 31 if five else 15
+    q = torch.full((n, k), top, dtype=torch.uint8)
+    q[::2, ::3] = 0
+    full = torch.full((n, k // 32), 63, dtype=torch.uint8)
+    w = bg.pack_k_quant(q, torch.full((n, k // 256), 1e-3).half().float(), full,
+                        torch.full((n, k // 256), -1e-3).half().float(), full)
+    assert w.kind == ("q5_k" if five else "q4_k")
+    x = torch.where(torch.rand(3, k) < 0.5, -1.0, 1.0) * 5.0
+    x[0] = 5.0  # every activation +127
+    assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
 
 
 def test_kernel_can_be_turned_off_and_gguf_falls_back_to_pytorch_int4():

@@ -1,6 +1,6 @@
 """GGUF weight blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K layouts) times float32
 activations on x86 CPUs with AVX2: integer dot products over activations quantized per row and block
-of 32 (csrc/block_gemm.cpp, built on first use by `kernels/native.py` into forklm's cache; on CPUs with
+of 32 (K-quants: per super-block of 256, the sub-block scales applied in integers) (csrc/block_gemm.cpp, built on first use by `kernels/native.py` into forklm's cache; on CPUs with
 AVX512-VNNI a variant built with it, equal bit for bit: `uses_vnni`).
 
 Why our own kernel: PyTorch ships no Q4 x Q8 integer product for x86 (its int4 CPU kernel takes

@@ -6,8 +6,8 @@
 //   Q4_1  w = d·q + m, q in 0..15 (value j: low nibble of byte j, value j + 16: its high nibble)
 //   Q5_1  w = d·q + m, q in 0..31: Q4_1's nibbles and a fifth bit per value (`high_bits`)
 //   Q4_K  Q4_1's values with the K-quants' scales: per block d = ds·sc (ds fp16 per 8 blocks, sc a
-//         6-bit integer per block, applied in integers: `tile_k`) and m = dm·mq (the same way,
-//         formed exactly in float32)
+//         6-bit integer per block, applied in integers: `tile_k`) and minimum m = dm·mq (dm fp16
+//         per 8 blocks, mq 6 bits; formed exactly in float32 for `minima_terms`)
 //   Q5_K  Q5_1's values with the K-quants' scales
 //   Q6_K  w = ds·sc·q, q in −32..31 (4 low bits as Q4_1's nibbles, 2 high bits in q2), sc an int8
 //         per 16 values under a float16 ds per 256 (`tile_q6`)
@@ -15,7 +15,8 @@
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
 // and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`). For K-quant weights the
-// same rule runs over super-blocks of 256 (one dx per 256, the sums of each 16 q kept: ggml's Q8_K),
+// same rule runs over super-blocks of 256 (one dx per 256, the sums of each 16 q kept: the shape of
+// ggml's Q8_K, not its rounding),
 // so a super-block's sub-block scales apply in integers (`tile_q6`); so for Q4_K / Q5_K (`tile_k`).
 //
 // Batch invariance: row t's result depends on row t alone (per-row activation scales; a row's
@@ -331,9 +332,10 @@ inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int
   if (w.sc == nullptr) {
     const char* scales = reinterpret_cast<const char*>(w.d + first * w.nb);
     for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
-  } else {
-    const char* scales = reinterpret_cast<const char*>(w.sc + first * w.nb);
-    for (int64_t off = 0; off < count * w.nb; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+  } else {  // K-quants: a 6-bit scale per block of 32 (Q6_K: an int8 per 16 values)
+    const int64_t per_row = w.q2 == nullptr ? w.nb : 2 * w.nb;
+    const char* scales = reinterpret_cast<const char*>(w.sc + first * per_row);
+    for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w.d + first * (w.nb / 8)), _MM_HINT_T0);
   }
   if (w.qh != nullptr) {
@@ -406,7 +408,7 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
 }
 
 // Q8_0: y[j·N + o + i] for i < TO outputs, j < TN activation rows (Q4_1-type blocks run on
-// `paired_tile` and `one_row_q4_1`, Q6_K on `tile_q6`). scratch: >= TO·(TN + 1)·nb floats.
+// `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K on `tile_q6`). scratch: >= TO·(TN + 1)·nb floats.
 template <int TO, int TN>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
@@ -538,7 +540,9 @@ inline __m256i sub_block_scales(__m256i sc16, int b) {
 // row's int8 values gives int16 pair sums (<= 2·63·127: no saturation), madd with the sub-block
 // scales sums them in int32 (<= 8 blocks · 2 · 16002 · 128 < 2³¹); the +32 comes off as
 // 32·Σ sc·(the row's sums of 16), also in integers; then one float step per super-block:
-// acc += (ds·dx) · Σ. A row's operations are the same in every tile, so no row count changes a result.
+// acc += (ds·dx) · Σ (each int32 lane converted once: exact below 2²⁴, which only activations and
+// weights at their extremes together exceed; the lanes of the +32 term are other sub-blocks' than
+// the products', so it cancels in the lanes' sum). A row's operations are the same in every tile, so no row count changes a result.
 template <int TO, int TN>
 void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t N) {
   const int64_t nb = w.nb, nsb = nb / 8;
@@ -619,7 +623,7 @@ struct KActs {
 // scheme ggml runs K-quants with): a 32-byte load holds blocks b and b + 1's values (as `paired_tile`
 // reads Q4_1), maddubs of both halves with the row's paired int8 values gives int16 sums (<= 2·2·31·127),
 // madd with the blocks' 6-bit scales (lanes 0-7 block b's, 8-15 block b + 1's) sums them in int32
-// (<= 4 pairs · 2 · 15748 · 63 < 2³¹); then one float step per super-block, acc += (ds·dx) · Σ, and the
+// (<= 4 pairs · 2 · 15748 · 63 < 2²⁴: converted to float exactly); then one float step per super-block, acc += (ds·dx) · Σ, and the
 // minima term (`minima_terms` over the blocks' dm·mq and the row's dx·Σq per 32) at the end. A row's
 // operations are the same in every tile, so no row count changes a result.
 template <int TO, int TN, bool H5>
@@ -734,7 +738,7 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
   }
 }
 
-// The pairs `one_row_q4_1` reads: for blocks b, b+1 of the row, their low 16 bytes side by side, then
+// The pairs `one_row_q4_1` and `tile_k` read: for blocks b, b+1 of the row, their low 16 bytes side by side, then
 // their high 16 bytes (as `tile` permutes them).
 void pair_activations(const int8_t* q, int64_t nb, int8_t* xp) {
   for (int64_t b = 0; b + 2 <= nb; b += 2) {
@@ -748,10 +752,11 @@ void pair_activations(const int8_t* q, int64_t nb, int8_t* xp) {
 constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while tiles of T pass over them
 
 // Tile shapes (a row's operations are the same in any tile, so none changes a result): outputs per
-// tile of 4 activation rows: AVX2 has 16 vector registers (2 x 4 accumulators and the unpacked
-// weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles share each activation load
-// twice as widely. A lone row (a decode step of one sample) takes one output at a time: its
-// products stream their weights from memory.
+// tile of 4 activation rows for Q4_1-type and Q8_0 blocks: AVX2 has 16 vector registers (2 x 4
+// accumulators and the unpacked weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles
+// share each activation load twice as widely. K-quant tiles hold an integer and a float accumulator
+// per (output, row): one output by 4 rows. A lone row (a decode step of one sample) takes one output
+// at a time: its products stream their weights from memory (two at a time measured slower).
 constexpr int ROW_TILE_OUTS = FORKLM_VNNI ? 4 : 2;
 constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 // floats of scratch per block that `tile` needs (TO·(TN + 1)) for the largest tile `gemm` runs
@@ -869,7 +874,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   }
   // the minima terms of a chunk's outputs for all rows, before its tiles; a lone row's Q4_1 / Q5_1
   // terms are formed by one_row_q4_1 group by group as it goes (a chunk pass ahead of a lone row's
-  // products slowed them)
+  // products slowed them; K-quants take the chunk pass at every row count)
   const bool chunk_minima = Q41 && (KS || T != 1);
   // threads split the outputs at multiples of 8 (the minima's groups; any split gives the same bits)
   at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
