@@ -68,6 +68,8 @@ class ModelConfig:
         """Whether the attention output projection has a bias: Llama's attention_bias covers it, Qwen2's not."""
         return self.attention_bias and self.architecture == "llama"
 
+    kv_shares_values = False  # the cache's values are its keys' first dims (latent attention: DeepseekConfig)
+
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """Bytes of K and V one token occupies over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
@@ -143,7 +145,7 @@ def _architecture_of(cfg: dict[str, Any], source: str) -> str:
     if not archs and mt in _MODEL_TYPES:
         return _MODEL_TYPES[mt]
     name = archs[0] if archs else mt
-    supported = ", ".join(sorted(_ARCHITECTURES))
+    supported = ", ".join(sorted(_ARCHITECTURES)) + "; and model_type deepseek_v2 / deepseek_v3 (Hugging Face folders)"
     raise UnsupportedModelError(f"{source}: unsupported architecture {name!r} (supported: {supported})")
 
 

@@ -61,7 +61,20 @@ def _bytes(w: Any) -> int:
 
 
 def model_report(llm: Any) -> dict[str, Any]:
+    from forklm.models.deepseek import DeepseekModel
+
     m = llm.model
+    if isinstance(m, DeepseekModel):
+        c = m.config
+        return {
+            "source": str(llm.source), "architecture": c.architecture, "dtype": str(llm.dtype).replace("torch.", ""),
+            "quantize": llm.quantize, "backend": m.backend.describe(),
+            "fall-backs from the fast path": "; ".join(m.backend.fallbacks) or "none",
+            "attention": f"multi-head latent, absorbed: {c.num_heads} query heads over one cached latent of "
+                         f"{c.kv_lora_rank} + {c.qk_rope_head_dim} per token and layer "
+                         f"({c.kv_bytes_per_token(m.dtype.itemsize)} bytes a token in {m.dtype})",
+            "decode stack": "off (DeepSeek layers run one by one)",
+        }
     groups: Counter = Counter()
     sizes: Counter = Counter()
     for layer in m.layers:

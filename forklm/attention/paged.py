@@ -515,8 +515,9 @@ class PagedAttention:
 
     @property
     def fuses_rope(self) -> bool:
-        """Whether `attend_qkv` runs this step: all rows decode rows, on the CPU kernel."""
-        return isinstance(self.plan.kernel_plan, CpuAttentionPlan) and not self.plan.chunks
+        """Whether `attend_qkv` runs this step: all rows decode rows, on the CPU kernel (never on a
+        latent pool, whose V is its K: the fused kernel writes both)."""
+        return isinstance(self.plan.kernel_plan, CpuAttentionPlan) and not self.plan.chunks and not self.kv.shares_values
 
     def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotary, K/V write and attention in one call (`fuses_rope` steps): qkv [T, (h + 2g)·D] float32
@@ -537,10 +538,13 @@ class PagedAttention:
         return stack.forward(x, self.kv.k, self.kv.v, cos, sin_signed, self.plan.write_slots, p.num_rows, p.rows_start,
                              p.rows, p.blocks_start, p.blocks, p.tokens, p.block_size, scale, CHUNK_TOKENS)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """q [T, h, D], the new tokens' k / v [T, g, D] (written to the pool first) -> [T, h, D];
+        scale: the softmax's (default 1/sqrt(D))."""
         plan = self.plan
         T, h, D = q.shape
-        scale = 1.0 / math.sqrt(D)
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
         self.kv.write(layer, plan.write_slots, k, v)
         parts = []
         B = plan.num_decode
@@ -554,6 +558,17 @@ class PagedAttention:
             r0, r1 = ch.row_start, ch.row_start + ch.num_tokens
             parts.append(self._prefill(layer, q[r0:r1], k[r0:r1], v[r0:r1], ch.prefix_runs, scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int,
+                      scale: float) -> torch.Tensor:
+        """Absorbed multi-head latent attention (models/deepseek.py): q [T, h, Dk], the new tokens'
+        latents [T, Dk] -> [T, h, v_dim]. The pool holds one latent per token and layer (a single KV
+        head, `kv_shares_values`); attention over it is multi-query attention whose values are the
+        latents themselves, so every step's plan applies unchanged (a shared prompt's latents read
+        once for all rows · h query heads when bifurcated) and the output's first v_dim dims are the
+        weighted sums of the latents' first v_dim (the rest, the rotary dims' sums, is dropped)."""
+        kv = latent.unsqueeze(1)  # [T, 1, Dk]
+        return self.attend(layer, q, kv, kv, scale)[..., :v_dim]
 
     # ------------------------------------------------------------------ decode rows
     def _decode(self, layer: int, q: torch.Tensor, g: int, scale: float) -> torch.Tensor:

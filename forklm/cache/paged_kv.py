@@ -83,12 +83,17 @@ class PagedKVCache:
         # broken, could spread it to a row of its masked group). On CPU the zeros come from calloc,
         # so pages the engine never touches are never committed by the OS.
         self.k = [_zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [_zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # latent attention (config.kv_shares_values): the values are the keys' first dims, read from
+        # the same tensors (an attention over them slices its output), so no V is stored
+        self.shares_values = bool(getattr(config, "kv_shares_values", False))
+        self.v = self.k if self.shares_values else [
+            _zeros(g, self.num_slots, D, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores new keys/values: slots [T] int64, k/v [T, g, D] (rounded to the cache's dtype)."""
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
+        if not self.shares_values:
+            self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copies the KV of slots `src` to slots `dst` in every layer (copy-on-write of a partial block)."""
@@ -96,15 +101,17 @@ class PagedKVCache:
             return
         s = torch.tensor(list(src), dtype=torch.long, device=self.device)
         d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
-        for k, v in zip(self.k, self.v):
-            k.index_copy_(1, d, k.index_select(1, s))
-            v.index_copy_(1, d, v.index_select(1, s))
+        for t in self._tensors():
+            t.index_copy_(1, d, t.index_select(1, s))
 
     def commit(self) -> None:
         """Touches every page of the pool now (a long-running server's memory is then what it
         will stay, and a machine short of memory fails at start, not mid-request)."""
-        for t in self.k + self.v:
+        for t in self._tensors():
             t.zero_()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return self.k if self.shares_values else self.k + self.v

@@ -158,6 +158,22 @@ class DeepseekConfig:
         """Bytes one token's latents occupy over all layers."""
         return self.num_layers * self.latent_dim * element_bytes
 
+    # What the engine's paged pool reads of a model config (config.ModelConfig's names): one
+    # "KV head" of width Dk per layer, the latent, whose first kv_lora_rank dims are also the values
+    # (the pool holds no separate V), so absorbed decode is multi-query attention with h query heads.
+    kv_shares_values = True
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.latent_dim
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        return self.latent_bytes_per_token(element_bytes)
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "DeepseekConfig":
         arch = cfg.get("model_type")
@@ -380,6 +396,7 @@ class DeepseekModel:
             raise UnsupportedModelError(f"quantize={backend.quantize!r} is not supported for {config.architecture} "
                                         f"yet: DeepSeek models run float weights (quantize=None)")
         self.config, self.backend = config, backend
+        backend.for_model(config.latent_dim)  # the decode attention kernel for one latent "KV head" of width Dk
         self.dtype, self.device = backend.dtype, backend.device
         self.num_valid_tokens = config.vocab_size
         self.product = product_for(backend)
@@ -405,6 +422,9 @@ class DeepseekModel:
             more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
             raise UnsupportedModelError(f"checkpoint has tensors a {config.architecture} model does not use: "
                                         f"{', '.join(unused[:5])}{more}")
+
+    def prepare_decode_stack(self) -> None:
+        """Llama's one-call C++ layer stack has no latent form: DeepSeek layers run one by one."""
 
     def _build_layer(self, reader: _WeightReader, i: int) -> dict:
         c, pre = self.config, f"model.layers.{i}."

@@ -51,15 +51,31 @@ def _load_torch_bins(paths: list[Path]) -> dict[str, torch.Tensor]:
     return weights
 
 
+def read_hf_config(path: Path):
+    """config.json as forklm's config for its architecture: DeepseekConfig for DeepSeek-V2 / V3 (latent
+    attention, models/deepseek.py), else ModelConfig (Llama-family and Qwen2)."""
+    from forklm.models.deepseek import ARCHITECTURES as DEEPSEEK, DeepseekConfig
+
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelFileError(f"{path}: expected a JSON object")
+    if cfg.get("model_type") in DEEPSEEK:
+        return DeepseekConfig.from_hf_dict(cfg, source=str(path))
+    return ModelConfig.from_hf_dict(cfg, source=str(path))
+
+
 def load_hf_folder(folder: Path):
-    """(ModelConfig, weights, Tokenizer) from a Hugging Face model folder."""
+    """(config, weights, Tokenizer) from a Hugging Face model folder (`read_hf_config`)."""
     from forklm.tokenizer import Tokenizer
 
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path}: a Hugging Face model folder needs config.json")
-    config = ModelConfig.from_json_file(config_path)
+    config = read_hf_config(config_path)
     gen_path = folder / "generation_config.json"
     if gen_path.exists():
         try:

@@ -11,6 +11,7 @@ from typing import Any
 from forklm.backend import Backend, loader_keeps_gguf_blocks, resolve_quantize
 from forklm.device import resolve_device, resolve_dtype
 from forklm.kernels.ggml_gemm import GGMLWeights
+from forklm.models.deepseek import DeepseekConfig, DeepseekModel
 from forklm.models.llama import LlamaModel
 from forklm.models.quant import BlockQuantized
 from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
@@ -20,7 +21,7 @@ from forklm.models.registry import load_model_files
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | DeepseekModel
     tokenizer: Any  # forklm.tokenizer.Tokenizer, or None for random weights
     source: str | Path
 
@@ -41,7 +42,7 @@ def load_model(model: str | Path, *, dtype="auto", device="auto", quantize="auto
         config, weights, tokenizer, source = load_model_files(model, keep_quantized=keep)
     has_blocks = any(isinstance(w, (BlockQuantized, GGMLWeights)) for w in weights.values())
     backend = Backend.resolve(dtype=dtype, device=device, quantize=quantize, has_gguf_blocks=has_blocks)
-    built = LlamaModel(config, weights, backend)
+    built = (DeepseekModel if isinstance(config, DeepseekConfig) else LlamaModel)(config, weights, backend)
     del weights
     if backend.fallbacks:
         warnings.warn(f"forklm: {Path(str(source)).name}: " + "; ".join(backend.fallbacks) + " (see `forklm info`)",

@@ -1,0 +1,103 @@
+"""DeepSeek-V2/V3 through the engine: `LLM(folder)` on a random-weight checkpoint that transformers
+wrote, the latents in the paged pool (one per token and layer, no separate V), absorbed decode with
+the shared prompt's latents read once for all samples and heads (bifurcated) or per sample (standard):
+greedy tokens == transformers', bifurcated == standard, the pool's latents == the model's."""
+
+import json
+
+import pytest
+import torch
+
+from forklm import LLM
+from forklm.models.deepseek import DeepseekModel
+from forklm.sampling.params import SamplingOptions
+
+from conftest import rel_err
+from test_deepseek import SMALL, DenseLatentAttention, build
+
+VOCAB = SMALL["vocab_size"]
+
+
+def engine_folder(tmp_path_factory, variant: str):
+    """The variant's checkpoint folder with a WordLevel tokenizer over its vocabulary (the tests run
+    samples to max_tokens: ignore_eos)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf, folder = build(tmp_path_factory, variant)
+    if not (folder / "tokenizer.json").exists():
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return hf, folder
+
+
+def prompt_ids(seed: int, length: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("variant", ["v2-q-group", "v3-qlora"])
+def test_engine_greedy_matches_transformers(tmp_path_factory, variant):
+    hf, folder = engine_folder(tmp_path_factory, variant)
+    llm = LLM(str(folder), dtype="float32")
+    assert isinstance(llm.model, DeepseekModel)
+    prompt = prompt_ids(4, 40)  # longer than a block: full shared blocks and a tail
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    out = llm.sample(prompt, n=3, max_tokens=8, temperature=0.0, ignore_eos=True)
+    for s in out.samples:
+        assert s.token_ids == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("variant", ["v2-yarn", "v3-q-half"])
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+def test_bifurcated_equals_standard_on_the_latent_pool(tmp_path_factory, variant, kernel):
+    """The C++ attention and PyTorch's products, the prompt's latents read once for all samples
+    and heads or once per sample: the same tokens, log-probs within float32 rounding."""
+    _, folder = engine_folder(tmp_path_factory, variant)
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.backend.decode_kernel == "cpu"  # Dk = 48 on these checkpoints: the C++ attention runs them
+    prompt = prompt_ids(5, 70)
+    req = dict(prompt=prompt, n=6, max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    a, = llm.generate([req], shared_attention="bifurcated", decode_kernel=kernel)
+    b, = llm.generate([req], shared_attention="standard", decode_kernel=kernel)
+    assert a.stats.path_steps.get("bifurcated", 0) > 0 and b.stats.path_steps.get("standard", 0) > 0
+    for x, y in zip(a.samples, b.samples):
+        assert x.token_ids == y.token_ids
+        assert rel_err(torch.tensor(x.logprobs), torch.tensor(y.logprobs)) < 1e-4
+    assert len({tuple(s.token_ids) for s in a.samples}) > 1  # the samples differ from one another
+
+
+def test_pool_holds_one_latent_per_token_and_layer(tmp_path_factory):
+    """The pool's tensors: [1, slots, kv_lora_rank + qk_rope_head_dim] per layer, V the same tensors;
+    the prompt's slots hold the latents the model computes (against the dense oracle's)."""
+    _, folder = engine_folder(tmp_path_factory, "v3-qlora")
+    llm = LLM(str(folder), dtype="float32")
+    engine = llm.engine()
+    c = llm.model.config
+    assert engine.kv.v is engine.kv.k and engine.kv.shares_values
+    assert tuple(engine.kv.k[0].shape) == (1, engine.kv.num_slots, c.kv_lora_rank + c.qk_rope_head_dim)
+    assert c.kv_bytes_per_token(4) == c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert engine.kv.nbytes() == c.num_layers * engine.kv.num_slots * c.latent_dim * 4
+    prompt = prompt_ids(6, 33)
+    oracle = DenseLatentAttention()
+    llm.model.forward(torch.tensor(prompt), torch.arange(len(prompt)), oracle)
+    # a fresh engine's first request takes the pool's lowest blocks: the prompt's slots are 0..32
+    state = engine.add_request(prompt, SamplingOptions(n=1, max_tokens=2, temperature=0.0, ignore_eos=True).params())
+    engine.run()
+    assert state.error is None and len(state.output.samples[0].token_ids) == 2
+    for layer in range(c.num_layers):
+        cached = engine.kv.k[layer][0, : len(prompt)]
+        assert rel_err(cached, oracle.cached(layer)) < 1e-4
+
+
+def test_info_describes_the_latent_attention(tmp_path_factory):
+    from forklm.info import model_report
+
+    _, folder = engine_folder(tmp_path_factory, "v2-q-group")
+    report = model_report(LLM(str(folder), dtype="float32"))
+    assert report["architecture"] == "deepseek_v2" and "latent" in report["attention"]
+    assert "32 + 16 per token" in report["attention"]
