@@ -101,3 +101,14 @@ def test_info_describes_the_latent_attention(tmp_path_factory):
     report = model_report(LLM(str(folder), dtype="float32"))
     assert report["architecture"] == "deepseek_v2" and "latent" in report["attention"]
     assert "32 + 16 per token" in report["attention"]
+
+
+def test_mla_attention_bench_runs_every_path():
+    """bench/mla_attention.py's timing function on a small grid (the paths it times exist and run)."""
+    from bench.mla_attention import largest_n, step_ms
+
+    for kernel in ("cpu", "torch"):
+        for kind in ("latent", "expanded"):
+            for path in ("bifurcated", "standard"):
+                assert step_ms(kind, path, kernel, n=3, m_c=64, own=5, reps=1) > 0
+    assert largest_n(1000, 10, m_c=20, own=5, shared=True) == 16 and largest_n(1000, 10, 20, 5, shared=False) == 4
