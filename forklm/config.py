@@ -127,13 +127,18 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: Path) -> "ModelConfig":
-        try:
-            cfg = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise ModelFileError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ModelFileError(f"{path}: expected a JSON object")
-        return cls.from_hf_dict(cfg, source=str(path))
+        return cls.from_hf_dict(read_json_object(path), source=str(path))
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A config file's JSON object; ModelFileError for invalid JSON or anything but an object."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelFileError(f"{path}: expected a JSON object")
+    return cfg
 
 
 def _architecture_of(cfg: dict[str, Any], source: str) -> str:

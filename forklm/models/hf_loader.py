@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from forklm.config import ModelConfig
+from forklm.config import ModelConfig, read_json_object
 from forklm.errors import ModelFileError
 
 
@@ -56,12 +56,7 @@ def read_hf_config(path: Path):
     attention, models/deepseek.py), else ModelConfig (Llama-family and Qwen2)."""
     from forklm.models.deepseek import ARCHITECTURES as DEEPSEEK, DeepseekConfig
 
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ModelFileError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ModelFileError(f"{path}: expected a JSON object")
+    cfg = read_json_object(path)
     if cfg.get("model_type") in DEEPSEEK:
         return DeepseekConfig.from_hf_dict(cfg, source=str(path))
     return ModelConfig.from_hf_dict(cfg, source=str(path))
