@@ -50,13 +50,21 @@ using forklm::hsum;
 // reference repeats: amax / 127 in float32, its reciprocal, x·id rounded half to even). A block
 // holding a NaN or an infinity gets d = s = NaN (the product's rows then come out NaN, as a dense
 // product's would); a block whose scale is below FLT_MIN quantizes to zeros (1/d would overflow).
-inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+// max |x| over n values, and whether all are finite.
+inline float block_amax(const float* x, int n, bool* finite) {
   float amax = 0.f;
-  bool finite = true;
-  for (int i = 0; i < QK; ++i) {
-    finite = finite && std::isfinite(x[i]);
+  bool ok = true;
+  for (int i = 0; i < n; ++i) {
+    ok = ok && std::isfinite(x[i]);
     amax = std::fmax(amax, std::fabs(x[i]));
   }
+  *finite = ok;
+  return amax;
+}
+
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+  bool finite;
+  const float amax = block_amax(x, QK, &finite);
   if (!finite) {
     for (int i = 0; i < QK; ++i) q[i] = 0;
     *d = *s = std::numeric_limits<float>::quiet_NaN();
@@ -79,12 +87,8 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
 // rounded half to even) and the sums of each 16 of them (K-quant weights' sub-blocks; Q8_K's bsums).
 // Non-finite values: d = NaN, values and sums 0; d below FLT_MIN: zeros.
 inline void quantize_super_block(const float* x, int8_t* q, float* d, int16_t* sums) {
-  float amax = 0.f;
-  bool finite = true;
-  for (int i = 0; i < QKK; ++i) {
-    finite = finite && std::isfinite(x[i]);
-    amax = std::fmax(amax, std::fabs(x[i]));
-  }
+  bool finite;
+  const float amax = block_amax(x, QKK, &finite);
   if (!finite) {
     std::memset(q, 0, QKK);
     std::memset(sums, 0, QKK / 16 * sizeof(int16_t));
