@@ -179,6 +179,21 @@ class LLM:
             raise state.error
         return state.output
 
+    def beam_search(self, prompt: Prompt, beam_width: int, *, n: int | None = None, max_tokens: int = 64,
+                    length_penalty: float = 1.0, early_stopping: bool | str = False, num_beam_groups: int = 1,
+                    diversity_penalty: float = 0.0, attention: str = "auto", **options: Any) -> SampleOutput:
+        """Beam search over one prompt on the engine, with transformers' `generate(num_beams=...)`
+        rules (README "Beam search"): returns the n best of the beam_width hypotheses (default: all),
+        best first, each with its `score` (sum of log-probs / generated length ** length_penalty).
+        Beams fork by sharing their parent's KV blocks; the prompt and the beams' common blocks are
+        read once per step for all beams (bifurcated attention). early_stopping: True (end at
+        beam_width finished), False (transformers' heuristic) or "never". num_beam_groups and
+        diversity_penalty: diverse beam search (Hamming diversity between groups).
+        options: stop, stop_token_ids, min_tokens, ignore_eos (the sampling knobs do not apply)."""
+        return self.sample(prompt, n=beam_width if n is None else n, attention=attention, beam_width=beam_width,
+                           max_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping,
+                           num_beam_groups=num_beam_groups, diversity_penalty=diversity_penalty, **options)
+
     def generate(self, requests: Sequence[dict | Request], **engine_options: Any) -> list[SampleOutput]:
         """Runs many requests together through the engine (paged KV, prefix cache, continuous
         batching); returns one `SampleOutput` per request, in order. With seeds, each equals
@@ -255,7 +270,7 @@ class LLM:
     def _check_results_memory(self, params: SamplingParams) -> None:
         """The engine runs any n in waves, but the results live in host memory: refuse a request
         whose token lists alone would not fit."""
-        need = params.n * (params.max_tokens * 80 + 2048)  # ids, log-probs, text (Python objects)
+        need = max(params.n, params.beam_width) * (params.max_tokens * 80 + 2048)  # ids, log-probs, text (Python objects)
         have = available_memory_bytes(torch.device("cpu"))
         if need > 0.9 * have:
             raise OutOfMemoryError(

@@ -16,6 +16,8 @@ class Sample:
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     # per token, the `top_logprobs` most likely (token id, model log-prob), when asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # beam search: the hypothesis's score, sum(logprobs) / len(token_ids) ** length_penalty (best first)
+    score: float | None = None
 
     @property
     def cumulative_logprob(self) -> float:

@@ -44,6 +44,7 @@ from forklm.errors import InvalidArgumentError, OutOfMemoryError
 from forklm.models.llama import LlamaModel
 from forklm.outputs import SampleOutput
 from forklm.sampling.constraints import token_constraints
+from forklm.sampling.beam import BeamSearch
 from forklm.sampling.params import SamplingParams
 from forklm.sampling.sample_state import SampleState, to_sample
 from forklm.sampling.seeds import fresh_seed
@@ -173,7 +174,8 @@ class Engine:
         num_blocks = pool_blocks(model, cfg, self.kv_dtype, draft_model)
         self.block_size = cfg.block_size
         self.limits = EngineLimits(
-            model.config.vocab_size, model.config.max_position_embeddings, has_tokenizer, num_blocks, cfg.block_size
+            model.config.vocab_size, model.config.max_position_embeddings, has_tokenizer, num_blocks, cfg.block_size,
+            cfg.max_num_seqs,
         )
         self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, self.kv_dtype, model.device)
         self.kv_manager = KVManager(self.kv, num_blocks, cfg.block_size, cfg.prefix_cache, cfg.lane_ahead_tokens)
@@ -225,7 +227,11 @@ class Engine:
             raise InvalidArgumentError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else fresh_seed()
         req = RequestState(rid, list(prompt_ids), params, seed, order, on_event)
-        req.samples = [SampleState(i) for i in range(params.n)]
+        if params.beam_width:
+            req.beam = BeamSearch(params)
+            req.samples = list(req.beam.live)  # one beam per group: the prompt
+        else:
+            req.samples = [SampleState(i) for i in range(params.n)]
         req.stats.prompt_tokens = len(prompt_ids)
         req.submit_time = time.perf_counter()
         if params.time_budget_s is not None:
@@ -362,6 +368,16 @@ class Engine:
                 self.kv_manager.release_sequence(seq, cache=True)
             except Exception as exc:  # noqa: BLE001
                 failed.setdefault(id(seq.request), (seq.request, exc))
+        for parent, child in result.beam_forks:  # a beam's further children share its blocks (after the
+            req = parent.request               # childless parents' release above)
+            if id(req) in failed:
+                continue
+            seq = self.kv_manager.fork_sequence(parent, child)
+            if seq is None:  # no block for its copy: computed like a preempted sample when blocks allow
+                req.pending.append(child)
+                req.pending.sort(key=lambda st: st.index)
+            else:
+                self.scheduler.run_forked(req, seq)
         ended = self._fail_requests(failed)
         for req in result.sample_ended.values():  # only these can have run out of samples
             if req.status is not Status.FINISHED and not req.unfinished_samples:
@@ -414,7 +430,9 @@ class Engine:
 
     def _finish_request(self, req: RequestState, cancelled: bool = False, reason: str = "cancelled") -> None:
         self._release_request(req)
-        if cancelled:  # cut short (cancelled, or its time budget ran out): unfinished samples end so
+        if cancelled and req.beam is not None:  # a search cut short: what it has so far
+            req.samples = req.beam.running_as_result(reason)
+        elif cancelled:  # cut short (cancelled, or its time budget ran out): unfinished samples end so
             for st in req.samples:
                 if not st.finished:
                     st.finish_reason = reason

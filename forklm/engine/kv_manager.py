@@ -96,7 +96,7 @@ class KVManager:
             self.pool.incref(matched)
         need = -(-len(prompt) // bs) - len(matched)
         new = None
-        if req.params.n == 1:  # the sample continues in the prompt's blocks: reserve its lane with them
+        if req.num_sequences == 1:  # the sample continues in the prompt's blocks: reserve its lane with them
             P = len(prompt)
             lane = self.lane_blocks(req, P, P + 1, 1, margin) + P // bs - len(matched)
             if self.pool.num_free >= lane + margin:
@@ -145,7 +145,7 @@ class KVManager:
         P = len(req.prompt_ids)
         full, rem = divmod(P, bs)
         tokens = req.prompt_ids + st.token_ids + st.ahead  # known tokens (jump-forward) are computed too
-        if req.params.n == 1:
+        if req.num_sequences == 1:
             table = list(req.prompt_blocks)
             need = -(-len(tokens) // bs) - len(table)
             new: list[int] | None = []
@@ -168,6 +168,26 @@ class KVManager:
             src = req.prompt_blocks[full] * bs
             self._copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
         return Sequence(req, tokens, shared + new, P, st)
+
+    def fork_sequence(self, parent: Sequence, state: SampleState) -> Sequence | None:
+        """A beam's further child (sampling/beam.py): the parent's computed tokens plus the child's
+        new one, the parent's full blocks shared by reference, its partial last block copied (a
+        parent's first child continues in the parent's own sequence instead). None if no block
+        can be had for the copy (the child is then recomputed like a preempted sample)."""
+        bs = self.block_size
+        n = parent.num_computed
+        full, rem = divmod(n, bs)
+        new: list[int] = []
+        if rem:
+            got = self.allocate(1)
+            if got is None:
+                return None
+            new = got
+            src = parent.block_table[full] * bs
+            self._copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
+        shared = parent.block_table[:full]
+        self.pool.incref(shared)
+        return Sequence(parent.request, parent.tokens[:n] + [state.token_ids[-1]], shared + new, n, state)
 
     def ensure_slots(self, seq: Sequence, count: int, margin: int) -> bool:
         """Slots for `seq`'s next `count` tokens (a multi-token extend: jump-forward, later draft

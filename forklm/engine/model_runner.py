@@ -49,13 +49,14 @@ class ModelRunner:
         ids = [seq.tokens[t] for seq, t in zip(decode, pos)]
         logits_rows = list(range(len(decode)))
         row_of_seq = {id(seq): i for i, seq in enumerate(decode)}
-        decode_rows = [DecodeRow(seq.block_table, t, len(seq.request.prompt_ids) // bs, seq) for seq, t in zip(decode, pos)]
+        # shareable: a sample's own blocks are its alone (its prompt's are shared); beams share their parents' too
+        decode_rows = [DecodeRow(seq.block_table, t, _shareable(seq, bs), seq) for seq, t in zip(decode, pos)]
         for seq in batch.extend:
             t0, t1 = seq.num_computed, len(seq.tokens)
             first = len(ids)
             ids.extend(seq.tokens[t0:t1])
             pos.extend(range(t0, t1))
-            shareable = len(seq.request.prompt_ids) // bs
+            shareable = _shareable(seq, bs)
             # only the last row keeps the sequence's key (the planner caches one tail per key)
             decode_rows.extend(DecodeRow(seq.block_table, t, shareable, seq if t == t1 - 1 else None) for t in range(t0, t1))
             if batch.extend_logits_last_only:
@@ -86,3 +87,9 @@ class ModelRunner:
 
     def forget(self, seq) -> None:
         self.planner.forget(seq)
+
+
+def _shareable(seq, block_size: int) -> int | None:
+    """Leading blocks of a sequence that other rows may list: its prompt's full blocks, or all of a
+    beam's (beams fork by sharing their parent's blocks)."""
+    return None if seq.request.beam is not None else len(seq.request.prompt_ids) // block_size

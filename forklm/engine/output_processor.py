@@ -31,7 +31,7 @@ import torch
 from forklm.engine.model_runner import StepOutput
 from forklm.engine.request import RequestState, Sequence, TokenEvent
 from forklm.engine.scheduler import ScheduledBatch
-from forklm.errors import InvalidArgumentError
+from forklm.errors import InvalidArgumentError, ModelOutputError
 from forklm.sampling.constraints import MaskWorker, token_constraints
 from forklm.sampling.sample_state import (
     SampleState,
@@ -59,6 +59,7 @@ class StepResult:
     failed: dict[int, tuple[RequestState, BaseException]] = field(default_factory=dict)  # id(req) -> (req, error)
     sample_ended: dict[int, RequestState] = field(default_factory=dict)  # requests a sample of which ended
     rolled_back: list[Sequence] = field(default_factory=list)  # verified drafts: blocks past `keep_blocks` go back
+    beam_forks: list[tuple[Sequence, SampleState]] = field(default_factory=list)  # (parent, child) to fork
 
     def fail(self, req: RequestState, exc: BaseException) -> None:
         self.failed.setdefault(id(req), (req, exc))
@@ -107,9 +108,15 @@ class OutputProcessor:
             rows, states, seqs, owner = ([x[i] for i in keep] for x in (rows, states, seqs, owner))
             if not states:
                 return result
+        beam_owner: list[RequestState] = []
+        if any(r.beam is not None for r in owner):
+            rows, states, seqs, owner, beam_owner = self._beam_rows(out, rows, states, seqs, owner, result)
+            if not states:
+                self._count(result.touched, beam_owner, out.shared_reads)
+                return result
         if not self._draw(out, rows, states, owner, result):
             return result
-        self._count(result.touched, owner, out.shared_reads)
+        self._count(result.touched, owner + beam_owner, out.shared_reads)
         self._finish_draws(seqs, states, owner, result)
         return result
 
@@ -173,6 +180,70 @@ class OutputProcessor:
             states.append(seq.sample)
             seqs.append(seq)
             owner.append(seq.request)
+
+    def _beam_rows(self, out: StepOutput, rows: list[int], states: list[SampleState], seqs: list[Sequence | None],
+                   owner: list[RequestState], result: StepResult) -> tuple[list, ...]:
+        """Beam search requests' rows: each beam's log-softmax row goes to its request's
+        `BeamSearch`; a request whose live beams all have theirs takes its beam step. Returns the
+        other rows (rows, states, seqs, owner) and the owner of each beam row."""
+        mine = [i for i, r in enumerate(owner) if r.beam is not None]
+        keep = [i for i, r in enumerate(owner) if r.beam is None]
+        beam_owner = [owner[i] for i in mine]
+        rest = tuple([x[i] for i in keep] for x in (rows, states, seqs, owner))
+        try:
+            idx = torch.tensor([rows[i] for i in mine], dtype=torch.long, device=out.logits.device)
+            lps = torch.log_softmax(out.logits.index_select(0, idx).float(), dim=-1).cpu()
+        except Exception as exc:  # noqa: BLE001 - these requests fail, the others draw
+            for r in beam_owner:
+                result.fail(r, exc)
+            return (*rest, [])
+        stepping: dict[int, RequestState] = {}
+        for j, i in enumerate(mine):
+            r = owner[i]
+            r.beam.add_row(states[i], lps[j])
+            stepping[id(r)] = r
+        for r in stepping.values():
+            if r.beam.ready():
+                try:
+                    self._beam_step(r, result)
+                except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: this request fails
+                    result.fail(r, exc)
+        return (*rest, beam_owner)
+
+    def _beam_step(self, req: RequestState, result: StepResult) -> None:
+        """The request's next beams: a parent's first child continues in the parent's sequence, its
+        further children fork from it (`result.beam_forks`: blocks shared by the engine's KV
+        manager), parents without children end; children of a parent without KV (preempted, or
+        the prompt itself at the first step) wait to be computed. Once the search is done, the
+        request's samples are its hypotheses."""
+        beam = req.beam
+        for st in beam.live:
+            row = beam.rows[st]
+            if bool(torch.isnan(row).any()) or not bool(torch.isfinite(row.max())):
+                raise ModelOutputError(f"the model's logits for beam {st.index} at generated token "
+                                       f"{len(st.token_ids) + 1} are not finite (NaN, +inf or only -inf): the "
+                                       "beam search stops")
+        children = beam.step(req.stop_ids, self.decode)
+        if beam.done:
+            req.samples = beam.result()
+            result.sample_ended[id(req)] = req  # no sample is unfinished: the engine finishes it
+            return
+        seq_of = {id(seq.sample): seq for seq in req.running}
+        continued: set[int] = set()
+        pending = []
+        for ch in children:
+            seq = seq_of.get(id(ch.parent))
+            if seq is None:
+                pending.append(ch.state)
+            elif id(seq) not in continued:
+                continued.add(id(seq))
+                seq.sample = ch.state
+                seq.tokens.append(ch.state.token_ids[-1])
+            else:
+                result.beam_forks.append((seq, ch.state))
+        result.finished_seqs.extend(seq for seq in req.running if id(seq) not in continued)
+        req.samples = [ch.state for ch in children]
+        req.pending = pending
 
     def _prepare_requests(self, result: StepResult) -> None:
         """Stop ids and (at a constrained request's first draw) grammar matchers of the touched

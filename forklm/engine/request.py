@@ -97,6 +97,12 @@ class RequestState:
     stop_ids: set[int] | None = None  # token ids that end a sample (the output processor fills it)
     spec_state: Any = None  # the speculator's per-request drafter state (an n-gram index)
     deadline: float | None = None  # perf_counter time its time budget ends (params.time_budget_s)
+    beam: Any = None  # its BeamSearch (sampling/beam.py) when params.beam_width > 0: `samples` are then the live beams
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences it runs side by side: its n samples, or its beam_width beams."""
+        return self.params.beam_width or self.params.n
 
     @property
     def unfinished_samples(self) -> list[SampleState]:

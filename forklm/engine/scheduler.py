@@ -187,13 +187,28 @@ class Scheduler:
             slots = self.config.max_num_seqs - self.num_running
             if req.status is not Status.RUNNING or not req.pending or budget <= 0 or slots <= 0:
                 continue
-            fresh = [st for st in req.pending if len(st.token_ids) == 1][: min(budget, slots)]
-            if req.params.n > 1 and len(fresh) >= 2:
+            todo = req.pending
+            if req.beam is not None:
+                # a beam whose log-probs are in waits for its siblings (no KV needed until the beam
+                # step); the rest start together or not at all (a beam step needs every beam's row)
+                todo = [st for st in req.pending if st not in req.beam.rows]
+                if not todo or len(todo) > slots:
+                    continue
+            fresh = [st for st in todo if len(st.token_ids) == 1][: min(budget, slots)]
+            if req.num_sequences > 1 and len(fresh) >= 2:
                 for seq in self.kv.start_lane_group(req, fresh, self.margin()):
                     self._run(req, seq)
                     budget -= self._add_chunk(batch, scheduled, seq, budget)
-            while req.status is Status.RUNNING and req.pending and budget > 0 and self.num_running < self.config.max_num_seqs:
-                seq = self.kv.start_sample(req, req.pending[0], self.margin())
+            while req.status is Status.RUNNING and budget > 0 and self.num_running < self.config.max_num_seqs:
+                if req.beam is None:
+                    if not req.pending:
+                        break
+                    st = req.pending[0]
+                else:
+                    st = next((st for st in req.pending if st not in req.beam.rows), None)
+                    if st is None:
+                        break
+                seq = self.kv.start_sample(req, st, self.margin())
                 if seq is None:
                     # A request with nothing running must not wait on younger ones forever.
                     if not req.running and self._preempt_younger(req, scheduled):
@@ -264,6 +279,11 @@ class Scheduler:
 
     def _run(self, req: RequestState, seq: Sequence) -> None:
         req.pending.remove(seq.sample)
+        req.running.append(seq)
+        self.num_running += 1
+
+    def run_forked(self, req: RequestState, seq: Sequence) -> None:
+        """A beam's child forked from a running parent (`KVManager.fork_sequence`) runs."""
         req.running.append(seq)
         self.num_running += 1
 
@@ -350,6 +370,9 @@ class Scheduler:
         for victim in reversed(self.active):
             if victim.arrival < mine.arrival:
                 break
+            if victim.beam is not None and victim is not mine and not any(id(s) in scheduled for s in victim.running):
+                self.preempt_request(victim)  # a beam search loses all its beams or none (each step needs them all)
+                return True
             candidates = [s for s in victim.running if s is not for_seq and id(s) not in scheduled]
             if candidates:
                 self.preempt_sample(candidates[-1])

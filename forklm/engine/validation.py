@@ -19,6 +19,7 @@ class EngineLimits:
     has_tokenizer: bool  # stop strings and constraints need text
     num_blocks: int  # KV pool size
     block_size: int
+    max_num_seqs: int = 256  # running sequences at most (a beam search runs all its beams at once)
 
 
 def min_blocks(prompt_len: int, max_tokens: int, block_size: int) -> int:
@@ -47,6 +48,20 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, limits: Engi
             f"context length of {limits.max_positions} tokens"
         )
     need = min_blocks(len(prompt_ids), params.max_tokens, limits.block_size)
+    if params.beam_width:
+        k = params.beam_width
+        if k > limits.max_num_seqs:
+            raise InvalidArgumentError(f"beam_width ({k}) exceeds the engine's max_num_seqs ({limits.max_num_seqs}): "
+                                       "a beam step needs every beam's row")
+        if 4 * k > V:
+            raise InvalidArgumentError(f"beam_width ({k}) is too large for a vocabulary of {V} tokens")
+        bs = limits.block_size
+        need = -(-len(prompt_ids) // bs) + k * -(-(len(prompt_ids) % bs + params.max_tokens) // bs)
+        if need > limits.num_blocks:
+            raise InvalidArgumentError(
+                f"beam search needs up to {need} KV blocks (prompt {len(prompt_ids)}, beam_width {k} x max_tokens "
+                f"{params.max_tokens}, block size {bs}) but the engine's pool holds {limits.num_blocks}; shorten it "
+                "or give the engine more memory")
     if need > limits.num_blocks:
         raise InvalidArgumentError(
             f"request needs at least {need} KV blocks (prompt {len(prompt_ids)} + max_tokens "

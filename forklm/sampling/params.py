@@ -39,6 +39,13 @@ class SamplingOptions:
     jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
     speculative: bool = True  # may speculate where the engine does (False: one token per step)
     time_budget_s: float | None = None  # seconds from submission; then unfinished samples end with "time"
+    # beam search (sampling/beam.py; transformers' generate(num_beams=...) semantics): beam_width k >= 1
+    # turns it on (0: sampling); n of the k hypotheses are returned, best score first
+    beam_width: int = 0
+    length_penalty: float = 1.0  # a hypothesis scores sum(log-probs) / generated_len ** length_penalty
+    early_stopping: bool | str = False  # True: end at k finished; False: a heuristic; "never": only when no beam can improve
+    num_beam_groups: int = 1  # diverse beam search: the k beams in this many groups of k / groups
+    diversity_penalty: float = 0.0  # subtracted per earlier group's beam choosing the same token at a step
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, allowed: str) -> InvalidArgumentError:
@@ -86,6 +93,53 @@ class SamplingOptions:
         if self.time_budget_s is not None and (not _is_number(self.time_budget_s)
                                                or not 0 < self.time_budget_s < math.inf):
             raise bad("time_budget_s", self.time_budget_s, "a positive number of seconds or None")
+        self._check_beam_options(bad)
+
+    def _check_beam_options(self, bad) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 0:
+            raise bad("beam_width", self.beam_width, "an integer >= 0 (0 = sampling, no beam search)")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise bad("length_penalty", self.length_penalty, "a finite number")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise bad("early_stopping", self.early_stopping, 'True, False or "never"')
+        if not _is_int(self.num_beam_groups) or self.num_beam_groups < 1:
+            raise bad("num_beam_groups", self.num_beam_groups, "an integer >= 1")
+        if not _is_number(self.diversity_penalty) or not 0 <= self.diversity_penalty < math.inf:
+            raise bad("diversity_penalty", self.diversity_penalty, "a number >= 0")
+        if not self.beam_width:
+            for name, default in BEAM_DEFAULTS.items():
+                value = getattr(self, name)
+                if value != default:
+                    raise InvalidArgumentError(f"{name} applies to beam search only: set beam_width >= 1 (got "
+                                               f"{name}={value!r} with beam_width=0)")
+            return
+        k = self.beam_width
+        if self.n > k:
+            raise bad("n", self.n, f"<= beam_width ({k}): beam search returns at most beam_width hypotheses")
+        if self.temperature != 1.0 or self.top_p != 1.0 or self.top_k != 0:
+            raise InvalidArgumentError(
+                "beam search is deterministic (transformers' do_sample=False): temperature, top_p and top_k do not "
+                f"apply to it; leave them at their defaults (got temperature={self.temperature!r}, "
+                f"top_p={self.top_p!r}, top_k={self.top_k!r})")
+        for name in ("json_schema", "regex", "grammar", "choice"):
+            if getattr(self, name) is not None:
+                raise InvalidArgumentError(f"{name}: constrained beam search is not supported; use sampling (n) with "
+                                           "the constraint, or beam search without it")
+        if self.top_logprobs:
+            raise bad("top_logprobs", self.top_logprobs, "0 with beam search (not supported)")
+        if self.time_budget_s is not None:
+            raise bad("time_budget_s", self.time_budget_s, "None with beam search (a cut search has no ranked "
+                      "hypotheses; not supported)")
+        if k % self.num_beam_groups:
+            raise bad("num_beam_groups", self.num_beam_groups, f"a divisor of beam_width ({k})")
+        if self.diversity_penalty and self.num_beam_groups == 1:
+            raise bad("diversity_penalty", self.diversity_penalty, "0 unless num_beam_groups > 1 (it acts "
+                      "between groups)")
+        object.__setattr__(self, "speculative", False)  # beams take one token per step (no drafts to verify)
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width > 0
 
     def params(self, **engine: object) -> SamplingParams:
         """These options as the engine's `SamplingParams` (`engine`: its further fields, e.g. attention)."""
@@ -93,6 +147,7 @@ class SamplingOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(SamplingOptions))
+BEAM_DEFAULTS = {"length_penalty": 1.0, "early_stopping": False, "num_beam_groups": 1, "diversity_penalty": 0.0}
 
 
 @dataclass(frozen=True, kw_only=True)

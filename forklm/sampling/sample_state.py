@@ -31,6 +31,7 @@ class SampleState:
         "index",
         "logprobs",
         "matcher",
+        "score",
         "stop_reason",
         "text",
         "token_ids",
@@ -50,6 +51,7 @@ class SampleState:
         # Known tokens after `token_ids` (a run its grammar forces: jump-forward), already consumed by
         # the matcher, whose log-probs come from the next forward; they become sample tokens then.
         self.ahead: list[int] = []
+        self.score: float | None = None  # a beam search hypothesis's score (sampling/beam.py)
 
     @property
     def finished(self) -> bool:
@@ -266,4 +268,4 @@ def to_sample(st: SampleState, decode: Callable[[list[int]], str]) -> Sample:
             ids_for_text = ids_for_text[:-1]  # the stop token is not part of the text
         text = decode(ids_for_text)
     return Sample(st.index, text, st.token_ids, st.logprobs, st.finish_reason or "length", st.stop_reason,
-                  st.top_logprobs)
+                  st.top_logprobs, st.score)
