@@ -85,13 +85,15 @@ class BeamGroup:
             lp[:, sorted(stop_ids)] = float("-inf")
         if penalty is not None:
             lp = lp - penalty
-        V = lp.shape[1]
-        acc = (lp + self.scores[:, None]).reshape(-1)
+        acc = lp + self.scores[:, None]  # [live, V]
         # beam_width 1 is greedy decoding, as transformers' num_beams=1: the best candidate only
         K = 1 if self.greedy else min(max(2, 1 + len(stop_ids)) * k, acc.numel())
-        top_vals, top_idx = torch.topk(acc, K)
-        parents = torch.div(top_idx, V, rounding_mode="floor").tolist()
-        tokens = (top_idx % V).tolist()
+        # the K best of all rows are among each row's K best: two small top-k's, not one over live * V
+        row_vals, row_idx = torch.topk(acc, min(K, acc.shape[1]), dim=1)
+        top_vals, top_pos = torch.topk(row_vals.reshape(-1), K)
+        Kr = row_vals.shape[1]
+        parents = torch.div(top_pos, Kr, rounding_mode="floor").tolist()
+        tokens = row_idx.reshape(-1)[top_pos].tolist()
         raw_lps = raw[parents, tokens].tolist()
         cands = [child_state(self.beams[p], t, lp_, -1) for p, t, lp_ in zip(parents, tokens, raw_lps)]
         hit_list = [check_finished(c, params, stop_ids, decode) for c in cands]

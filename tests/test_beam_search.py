@@ -1,0 +1,244 @@
+"""Beam search on the engine (forklm/sampling/beam.py): token for token transformers'
+`generate(num_beams=k)` in float32, diverse beam search against the slow reference
+(forklm/reference/beam_search.py), beams sharing blocks, batching beside sampling requests,
+memory pressure, and the errors a bad request gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forklm.errors import InvalidArgumentError
+from forklm.reference.beam_search import beam_search_reference
+from forklm.sampling.params import SamplingOptions
+from forklm.sampling.sample_state import stop_token_set
+
+CHAT = [{"role": "user", "content": "What is 2+2? Answer in one word."}]
+TEXT = "The capital of France is"
+CODE = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_f32):
+    return smollm2_f32
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_gguf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+def hf_beams(hf, llm, ids, k, max_tokens, **kw):
+    """transformers' k hypotheses (generated ids, pads stripped after a stop) and their scores."""
+    eos = list(llm.eos_token_ids)
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([ids]), num_beams=k, num_return_sequences=k, max_new_tokens=max_tokens,
+                        do_sample=False, return_dict_in_generate=True, output_scores=True, eos_token_id=eos,
+                        pad_token_id=eos[0], **kw)
+    out = []
+    for i in range(k):
+        gen = g.sequences[i, len(ids):].tolist()
+        stop = next((j for j, t in enumerate(gen) if t in eos), None)
+        out.append((gen if stop is None else gen[: stop + 1],
+                    g.sequences_scores[i].item() if k > 1 else None))
+    return out
+
+
+def assert_same_hypotheses(mine, theirs):
+    assert len(mine) == len(theirs)
+    for s, (tokens, score) in zip(mine, theirs):
+        assert s.token_ids == tokens
+        if score is not None:
+            assert s.score == pytest.approx(score, rel=1e-4, abs=1e-5)
+
+
+# (k, prompt, length_penalty, early_stopping): every width 1..8, each rule of early stopping, a
+# positive / fractional / large length penalty, and prompts whose beams end by EOS (the chat one)
+CASES = [
+    (1, TEXT, 1.0, False),
+    (2, CHAT, 0.5, True),
+    (3, CODE, 2.0, "never"),
+    (4, CHAT, 1.0, False),
+    (5, TEXT, 0.5, True),
+    (6, CHAT, 2.0, "never"),
+    (7, CODE, 1.0, False),
+    (8, CHAT, 0.5, True),
+]
+
+
+@pytest.mark.parametrize("k,prompt,length_penalty,early_stopping", CASES)
+def test_beam_search_is_transformers_beam_search(llm, hf, k, prompt, length_penalty, early_stopping):
+    ids = llm.prompt_token_ids(prompt)
+    out = llm.beam_search(prompt, k, max_tokens=20, length_penalty=length_penalty, early_stopping=early_stopping)
+    theirs = hf_beams(hf, llm, ids, k, 20, length_penalty=length_penalty, early_stopping=early_stopping)
+    assert_same_hypotheses(out.samples, theirs)
+    assert [s.index for s in out.samples] == list(range(k))
+    assert all(a.score >= b.score for a, b in zip(out.samples, out.samples[1:]))
+    for s in out.samples:  # the scores are what they say: sum of the model's log-probs / length ** penalty
+        assert s.score == pytest.approx(sum(s.logprobs) / len(s.token_ids) ** length_penalty, rel=1e-4, abs=1e-5)
+        assert s.finish_reason == ("stop" if s.token_ids[-1] in llm.eos_token_ids else "length")
+
+
+def test_some_beams_end_by_eos(llm):
+    """The chat cases above really exercise finished hypotheses (not only max_tokens)."""
+    out = llm.beam_search(CHAT, 4, max_tokens=20)
+    assert any(s.finish_reason == "stop" for s in out.samples)
+
+
+def test_min_tokens_is_transformers_min_new_tokens(llm, hf):
+    ids = llm.prompt_token_ids(CHAT)
+    out = llm.beam_search(CHAT, 4, max_tokens=16, min_tokens=6)
+    assert_same_hypotheses(out.samples, hf_beams(hf, llm, ids, 4, 16, min_new_tokens=6))
+    assert all(len(s.token_ids) > 6 for s in out.samples)
+
+
+def test_n_returns_the_best_hypotheses(llm):
+    full = llm.beam_search(CODE, 6, max_tokens=12)
+    two = llm.beam_search(CODE, 6, n=2, max_tokens=12)
+    assert [s.token_ids for s in two.samples] == [s.token_ids for s in full.samples[:2]]
+    one = llm.generate([{"prompt": CODE, "beam_width": 6, "max_tokens": 12}])[0]
+    assert [s.token_ids for s in one.samples] == [full.samples[0].token_ids]
+
+
+def hf_logprobs(hf):
+    def logprobs_of(token_lists):
+        with torch.no_grad():
+            rows = [hf(torch.tensor([ids])).logits[0, -1].float() for ids in token_lists]
+        return torch.log_softmax(torch.stack(rows), dim=-1)
+    return logprobs_of
+
+
+def reference(llm, hf, prompt, **options):
+    params = SamplingOptions(**options).params()
+    ids = llm.prompt_token_ids(prompt)
+    return beam_search_reference(hf_logprobs(hf), ids, params, stop_token_set(params, llm.eos_token_ids),
+                                 llm.decode)
+
+
+def test_reference_is_transformers_beam_search(llm, hf):
+    """The slow reference (no KV cache, lists) agrees with transformers where transformers has the
+    search, so it can judge diverse beam search, which transformers 5 no longer ships."""
+    ids = llm.prompt_token_ids(CHAT)
+    ref = reference(llm, hf, CHAT, beam_width=4, n=4, max_tokens=12, length_penalty=0.5)
+    assert_same_hypotheses(ref, hf_beams(hf, llm, ids, 4, 12, length_penalty=0.5))
+
+
+@pytest.mark.parametrize("k,groups,penalty,prompt", [(4, 2, 0.5, CODE), (6, 3, 1.5, CHAT), (4, 4, 3.0, TEXT)])
+def test_diverse_beam_search_is_the_reference(llm, hf, k, groups, penalty, prompt):
+    options = dict(beam_width=k, n=k, max_tokens=10, num_beam_groups=groups, diversity_penalty=penalty)
+    ref = reference(llm, hf, prompt, **options)
+    out = llm.beam_search(prompt, k, max_tokens=10, num_beam_groups=groups, diversity_penalty=penalty)
+    assert_same_hypotheses(out.samples, [(h.token_ids, h.score) for h in ref])
+    plain = llm.beam_search(prompt, k, max_tokens=10)
+    assert [s.token_ids for s in out.samples] != [s.token_ids for s in plain.samples]  # the penalty acts
+
+
+def test_bifurcated_equals_standard_and_blocks_are_shared(llm):
+    results = {}
+    for path in ("bifurcated", "standard"):
+        engine = llm.engine(shared_attention=path, prefix_cache=False)
+        params = SamplingOptions(beam_width=8, n=8, max_tokens=40, early_stopping="never").params()
+        req = engine.add_request(llm.prompt_token_ids(CODE * 6), params)
+        bs = engine.block_size
+        peak = 0
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()
+            if req.running:
+                peak = max(peak, engine.blocks_in_use())
+                own = sum(len(seq.block_table) for seq in req.running)
+                assert engine.blocks_in_use() < own  # beams list blocks they share
+        assert engine.blocks_in_use() == 0  # nothing leaked
+        prompt_blocks = -(-len(req.prompt_ids) // bs)
+        assert peak < prompt_blocks + 8 * -(-(len(req.prompt_ids) % bs + 40) // bs) + 8
+        if path == "bifurcated":
+            assert engine.metrics.shared_reads > 0
+        results[path] = req.output
+    a, b = results["bifurcated"], results["standard"]
+    assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+    for x, y in zip(a.samples, b.samples):
+        assert x.score == pytest.approx(y.score, rel=1e-5, abs=1e-6)
+
+
+def test_beams_batched_with_sampling_requests(llm):
+    alone_beam = llm.beam_search(TEXT, 4, max_tokens=16)
+    alone_other = llm.beam_search(CHAT, 3, max_tokens=12, length_penalty=0.5)
+    alone_sample = llm.sample(CODE, n=4, max_tokens=16, temperature=0.8, seed=3)
+    outs = llm.generate([
+        {"prompt": TEXT, "beam_width": 4, "n": 4, "max_tokens": 16},
+        {"prompt": CODE, "n": 4, "max_tokens": 16, "temperature": 0.8, "seed": 3},
+        {"prompt": CHAT, "beam_width": 3, "n": 3, "max_tokens": 12, "length_penalty": 0.5},
+    ], prefix_cache=False)
+    assert [s.token_ids for s in outs[0].samples] == [s.token_ids for s in alone_beam.samples]
+    assert [s.token_ids for s in outs[1].samples] == [s.token_ids for s in alone_sample.samples]
+    assert [s.token_ids for s in outs[2].samples] == [s.token_ids for s in alone_other.samples]
+
+
+def test_memory_pressure_gives_the_same_beams(llm):
+    """A pool too small for every request's beams at once: beams are preempted (whole beam
+    searches, or their forks recomputed) and the hypotheses do not change; nothing leaks."""
+    want = [llm.beam_search(p, 4, max_tokens=24, early_stopping="never") for p in (CODE, TEXT)]
+    engine = llm.engine(num_blocks=34, block_size=4, prefix_cache=True)
+    reqs = [engine.add_request(llm.prompt_token_ids(p), SamplingOptions(
+        beam_width=4, n=4, max_tokens=24, early_stopping="never").params()) for p in (CODE, TEXT)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    assert engine.metrics.preempted_samples + engine.metrics.preempted_requests > 0
+    for req, w in zip(reqs, want):
+        assert req.error is None
+        assert [s.token_ids for s in req.output.samples] == [s.token_ids for s in w.samples]
+    engine.clear_prefix_cache()
+    assert engine.blocks_in_use() == 0
+
+
+def test_stop_strings_end_hypotheses(llm):
+    out = llm.beam_search(CODE, 4, max_tokens=24, stop=["\n"])
+    for s in out.samples:
+        assert "\n" not in s.text
+        if s.finish_reason == "stop":
+            assert s.stop_reason == "\n"
+    assert any(s.finish_reason == "stop" for s in out.samples)
+
+
+def test_cancel_returns_what_the_search_has(llm):
+    engine = llm.engine()
+    req = engine.add_request(llm.prompt_token_ids(CODE), SamplingOptions(beam_width=4, n=4, max_tokens=64,
+                                                                        early_stopping="never").params())
+    for _ in range(5):
+        engine.step()
+    engine.abort(req.request_id)
+    assert req.output is not None and len(req.output.samples) == 4
+    assert all(s.finish_reason in ("cancelled", "stop", "length") for s in req.output.samples)
+    assert engine.blocks_in_use() - engine.radix.num_evictable_blocks == 0
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(beam_width=4, temperature=0.7), "deterministic"),
+    (dict(beam_width=4, top_p=0.9), "deterministic"),
+    (dict(beam_width=2, n=3), "n must be <= beam_width"),
+    (dict(beam_width=4, num_beam_groups=3), "num_beam_groups"),
+    (dict(beam_width=4, diversity_penalty=1.0), "diversity_penalty"),
+    (dict(beam_width=4, early_stopping="sometimes"), "early_stopping"),
+    (dict(beam_width=-1), "beam_width"),
+    (dict(beam_width=2, regex="[a-z]+"), "constrained beam search"),
+    (dict(beam_width=2, top_logprobs=2), "top_logprobs"),
+    (dict(beam_width=2, time_budget_s=1.0), "time_budget_s"),
+    (dict(length_penalty=0.5), "beam search only"),
+    (dict(num_beam_groups=2), "beam search only"),
+])
+def test_bad_beam_options_are_refused_by_name(options, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        SamplingOptions(**options)
+
+
+def test_engine_limits_refuse_what_cannot_run(llm):
+    engine = llm.engine(max_num_seqs=4, num_blocks=64)
+    with pytest.raises(InvalidArgumentError, match="max_num_seqs"):
+        engine.add_request([1, 2, 3], SamplingOptions(beam_width=8).params())
+    with pytest.raises(InvalidArgumentError, match="KV blocks"):
+        engine.add_request([1, 2, 3], SamplingOptions(beam_width=4, max_tokens=400).params())
+    assert engine.blocks_in_use() == 0 and not engine.has_unfinished()
