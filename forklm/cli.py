@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative", default=None, metavar="SPEC", help=SPECULATIVE_HELP)
     s.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="end unfinished samples after this many seconds (finish reason 'time') (default: none)")
+    s.add_argument("--beam-width", type=int, default=0, metavar="K",
+                   help="beam search with K beams instead of sampling (transformers' num_beams rules); prints the "
+                        "best hypotheses by score (the sampling knobs do not apply)")
+    s.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = sum / length ** this")
+    s.add_argument("--early-stopping", default="false", choices=["true", "false", "never"],
+                   help="beam search: end at K finished (true), transformers' heuristic (false), or never")
+    s.add_argument("--beam-groups", type=int, default=1, help="diverse beam search: groups of K / groups beams")
+    s.add_argument("--diversity-penalty", type=float, default=0.0, help="diverse beam search: Hamming penalty")
     s.add_argument("--show", type=int, default=3, help="how many ranked samples to print (default: 3)")
     s.add_argument("--json", action="store_true", help="print every sample and the stats as JSON")
 
@@ -132,6 +140,8 @@ def _sample(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, speculative=spec)
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
+    if args.beam_width:
+        return _beam_search(llm, prompt, args)
     out = llm.sample(
         prompt,
         n=args.n,
@@ -165,6 +175,29 @@ def _sample(args: argparse.Namespace) -> int:
     for rank, s in enumerate(ranked, 1):
         print(f"--- #{rank}  sample {s.index}  mean logprob {s.mean_logprob:.3f}  "
               f"({len(s.token_ids)} tokens, {s.finish_reason})")
+        print(prompt + s.text if isinstance(prompt, str) else s.text)
+        print()
+    print(f"# {llm.dtype} on {llm.device} | {out.stats.summary()}")
+    return 0
+
+
+def _beam_search(llm, prompt, args: argparse.Namespace) -> int:
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+    out = llm.beam_search(prompt, args.beam_width, n=args.beam_width, max_tokens=args.max_tokens,
+                          min_tokens=args.min_tokens, stop=args.stop, attention=args.attention,
+                          length_penalty=args.length_penalty, early_stopping=early,
+                          num_beam_groups=args.beam_groups, diversity_penalty=args.diversity_penalty)
+    if args.json:
+        doc = {"model": str(llm.source), "beam_width": args.beam_width,
+               "hypotheses": [{"index": s.index, "text": s.text, "token_ids": s.token_ids, "logprobs": s.logprobs,
+                               "score": s.score, "finish_reason": s.finish_reason} for s in out.samples],
+               "stats": {**vars(out.stats), "tokens_per_s": out.stats.tokens_per_s}}
+        print(json.dumps(doc, indent=1))
+        return 0
+    shown = out.samples[: args.show]
+    print(f"# beam search, {args.beam_width} beams; best {len(shown)} hypotheses by score\n")
+    for s in shown:
+        print(f"--- #{s.index + 1}  score {s.score:.3f}  ({len(s.token_ids)} tokens, {s.finish_reason})")
         print(prompt + s.text if isinstance(prompt, str) else s.text)
         print()
     print(f"# {llm.dtype} on {llm.device} | {out.stats.summary()}")

@@ -242,3 +242,43 @@ def test_engine_limits_refuse_what_cannot_run(llm):
     with pytest.raises(InvalidArgumentError, match="KV blocks"):
         engine.add_request([1, 2, 3], SamplingOptions(beam_width=4, max_tokens=400).params())
     assert engine.blocks_in_use() == 0 and not engine.has_unfinished()
+
+
+def test_server_beam_search_through_the_openai_client(forklm_server, llm):
+    """vLLM's extension: use_beam_search with best_of beams; the n best hypotheses come back."""
+    import openai
+
+    client = forklm_server.client()
+    model = client.models.list().data[0].id
+    want = llm.beam_search(CODE, 4, n=2, max_tokens=12, length_penalty=0.5)
+    r = client.completions.create(model=model, prompt=CODE, n=2, max_tokens=12,
+                                  extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5})
+    assert [c.text for c in r.choices] == [s.text for s in want.samples]
+    assert [c.model_extra["score"] for c in r.choices] == pytest.approx([s.score for s in want.samples], rel=1e-4)
+    chat = client.chat.completions.create(model=model, messages=CHAT, n=3, max_tokens=12, temperature=0,
+                                          extra_body={"use_beam_search": True})
+    want = llm.beam_search(CHAT, 3, max_tokens=12)
+    assert [c.message.content for c in chat.choices] == [s.text for s in want.samples]
+    for extra, kw, param in [({"use_beam_search": True}, dict(stream=True), "use_beam_search"),
+                             ({"use_beam_search": True}, dict(temperature=0.7), "temperature"),
+                             ({"length_penalty": 2.0}, {}, "length_penalty")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=CODE, max_tokens=4, extra_body=extra, **kw)
+        assert e.value.body["param"] == param
+
+
+def test_cli_beam_width(llm):
+    import json
+    import subprocess
+    import sys
+
+    args = ["sample", "--beam-width", "3", "--max-tokens", "10", "--json", "--dtype", "float32", "--quantize", "none",
+            CODE]
+    r = subprocess.run([sys.executable, "-m", "forklm", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    want = llm.beam_search(CODE, 3, max_tokens=10)
+    assert [h["token_ids"] for h in doc["hypotheses"]] == [s.token_ids for s in want.samples]
+    bad = subprocess.run([sys.executable, "-m", "forklm", "sample", "--beam-width", "2", "--beam-groups", "3", CODE],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "num_beam_groups" in bad.stderr

@@ -168,13 +168,17 @@ class _Server:
                     f"{llm.config.max_position_embeddings} tokens",
                     param="messages" if isinstance(body, ChatBody) else "prompt", code="context_length_exceeded",
                 )
+            beam = {}
+            if body.use_beam_search:  # n_samples beams, the n best returned; the sampling knobs stay at defaults
+                beam = dict(beam_width=n_samples, length_penalty=body.length_penalty,
+                            early_stopping=body.early_stopping)
             try:
                 params = SamplingParams(
-                    n=n_samples,
+                    n=body.n if beam else n_samples,
                     max_tokens=max_tokens if max_tokens is not None else room,
                     min_tokens=body.min_tokens,
-                    temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p,
+                    temperature=1.0 if body.temperature is None or beam else body.temperature,
+                    top_p=1.0 if body.top_p is None or beam else body.top_p,
                     top_k=body.top_k,
                     seed=body.seed,
                     stop=body.stop or (),
@@ -185,6 +189,7 @@ class _Server:
                     jump_forward=body.jump_forward,
                     speculative=body.speculative,
                     time_budget_s=body.time_budget_s,
+                    **beam,
                 )
             except InvalidArgumentError as exc:
                 raise invalid(str(exc), param=param_of_message(str(exc))) from None
@@ -259,6 +264,8 @@ def _choices_of(body: CompletionBody | ChatBody, output: SampleOutput) -> list[S
     samples = output.samples
     if body.rank:
         return output.ranked(body.n)
+    if body.use_beam_search:  # the n best hypotheses, best score first
+        return samples
     if isinstance(body, CompletionBody) and body.best_of and body.best_of > body.n:
         return sorted(samples, key=lambda s: (-s.mean_logprob, s.index))[: body.n]
     return samples
@@ -596,11 +603,15 @@ class _Responder:
         if self.chat:
             lp = {"content": srv.chat_logprobs(s.token_ids, s.logprobs, s.top_logprobs, self.k)} \
                 if self.want_logprobs else None
-            return {"index": index, "message": {"role": "assistant", "content": s.text}, "logprobs": lp,
-                    "finish_reason": s.finish_reason, "mean_logprob": _finite(s.mean_logprob)}
-        lp = srv.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, self.k) if self.want_logprobs else None
-        return {"index": index, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason,
-                "mean_logprob": _finite(s.mean_logprob)}
+            choice = {"index": index, "message": {"role": "assistant", "content": s.text}, "logprobs": lp,
+                      "finish_reason": s.finish_reason, "mean_logprob": _finite(s.mean_logprob)}
+        else:
+            lp = srv.completion_logprobs(s.token_ids, s.logprobs, s.top_logprobs, self.k) if self.want_logprobs else None
+            choice = {"index": index, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason,
+                      "mean_logprob": _finite(s.mean_logprob)}
+        if s.score is not None:  # a beam search hypothesis
+            choice["score"] = _finite(s.score)
+        return choice
 
     # ------------------------------------------------------------------ server-sent events
     async def stream(self) -> AsyncIterator[str]:

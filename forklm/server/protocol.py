@@ -86,6 +86,10 @@ class _Body(_NullMeansDefault):
     jump_forward: bool = True  # a constrained sample appends each run its grammar forces in one step
     speculative: bool = True  # false: this request decodes one token per step on a speculating server
     time_budget_s: float | None = Field(None, gt=0)  # then unfinished samples end with finish_reason "time"
+    # vLLM's beam search extension: beam width best_of (completions) or n; the n best hypotheses return
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class CompletionBody(_Body):
@@ -182,6 +186,19 @@ def _check_neutral(body: _Body) -> None:
         raise invalid("stop strings must not be empty", param="stop")
     if body.stop_token_ids is not None and any(t < 0 for t in body.stop_token_ids):
         raise invalid("stop_token_ids must be token ids >= 0", param="stop_token_ids")
+    if body.use_beam_search:
+        if body.stream:
+            raise invalid("use_beam_search cannot be streamed (a hypothesis is known only when the search ends)",
+                          param="use_beam_search")
+        for name, default in (("temperature", 1.0), ("top_p", 1.0)):
+            if getattr(body, name) not in (None, default, 0 if name == "temperature" else default):
+                raise invalid(f"{name} does not apply to beam search (deterministic); leave it unset",
+                              param=name)
+        if body.top_k:
+            raise invalid("top_k does not apply to beam search (deterministic); leave it unset", param="top_k")
+    elif body.length_penalty != 1.0 or body.early_stopping is not False:
+        param = "length_penalty" if body.length_penalty != 1.0 else "early_stopping"
+        raise invalid(f"{param} applies to beam search only (use_beam_search: true)", param=param)
     if isinstance(body, CompletionBody):
         if body.echo:
             raise unsupported("echo")
