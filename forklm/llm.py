@@ -140,7 +140,9 @@ class LLM:
         the prefix cache), its KV shared by the n samples and read once per decode step.
 
         attention: how shared prompt segments are read: "auto" (the measured rule), "bifurcated"
-        (one product for all samples) or "standard" (once per sample, as conventional engines do).
+        (one product for all samples) or "standard" (once per sample, as conventional engines do);
+        "el": EL-attention (GPT-2 / GPT-BigCode: the pool holds hidden states, queries expanded
+        through W_K; models/gpt2.py), the shared prompt read once.
 
         json_schema / regex / grammar / choice: at most one; every sample's text then matches it
         (a sample whose constraint is complete ends with finish_reason "stop").
@@ -162,7 +164,8 @@ class LLM:
             allowed = ", ".join(name for name in OPTION_NAMES if name not in ("n", "speculative"))
             raise InvalidArgumentError(f"sample() got unknown keyword arguments {unknown}; allowed: n, attention, "
                                        f"speculative, {allowed}")
-        params = SamplingOptions(n=n, speculative=speculative is not False, **options).params(attention=attention)
+        params = SamplingOptions(n=n, speculative=speculative is not False, **options).params(
+            attention="auto" if attention == "el" else attention)
         prompt_ids = self.prompt_token_ids(prompt)
         if spec is not None and spec != self.speculative:
             engine = self._engine_for(attention, spec)
@@ -240,13 +243,17 @@ class LLM:
     def _engine_for(self, attention: str, speculative: SpeculativeConfig | None = None) -> Engine:
         """The engine `sample(attention=..., speculative=...)` runs on: one per forced
         shared-attention path and speculative configuration."""
-        if attention not in ("auto", "bifurcated", "standard"):
-            raise InvalidArgumentError(f"attention must be one of ('auto', 'bifurcated', 'standard'), got {attention!r}")
+        if attention not in ("auto", "bifurcated", "standard", "el"):
+            raise InvalidArgumentError(f"attention must be one of ('auto', 'bifurcated', 'standard', 'el'), "
+                                       f"got {attention!r}")
         spec = speculative if speculative is not None else self.speculative
         engines = self.__dict__.setdefault("_engines_by_attention", {})
         key = (attention, spec)
         if key not in engines:
-            engines[key] = self.engine(shared_attention=attention, speculative=spec)
+            if attention == "el":  # EL-attention's pool (hidden states), the shared prompt read once
+                engines[key] = self.engine(kv_layout="el", shared_attention="bifurcated", speculative=spec)
+            else:
+                engines[key] = self.engine(shared_attention=attention, speculative=spec)
         return engines[key]
 
     def clear_prefix_cache(self) -> None:

@@ -19,7 +19,9 @@ SERVER_FIELDS = {
     "stop_token_ids": ["stop_token_ids"], "ignore_eos": ["ignore_eos"], "top_logprobs": ["top_logprobs", "logprobs"],
     "json_schema": ["response_format", "guided_json"], "regex": ["guided_regex"], "grammar": ["guided_grammar"],
     "choice": ["guided_choice"], "jump_forward": ["jump_forward"], "speculative": ["speculative"],
-    "time_budget_s": ["time_budget_s"],
+    "time_budget_s": ["time_budget_s"], "beam_width": ["use_beam_search", "best_of"],
+    "length_penalty": ["length_penalty"], "early_stopping": ["early_stopping"],
+    "num_beam_groups": ["num_beam_groups"], "diversity_penalty": ["diversity_penalty"],
 }
 
 

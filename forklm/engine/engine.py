@@ -55,6 +55,7 @@ from forklm.speculative.speculator import Speculator
 SCHEDULES = ("cache-aware", "fcfs")
 SHARED_ATTENTION = ("auto", "bifurcated", "standard")
 KV_DTYPES = ("auto", "model", "float16")
+KV_LAYOUTS = ("kv", "el")
 
 
 @dataclass
@@ -77,6 +78,9 @@ class EngineConfig:
     # models on the "cpu" decode kernel only) or "auto": float16 where that kernel runs a model with
     # quantized weights (already an approximation; as llama.cpp's default cache), else the model's
     kv_dtype: str = "auto"
+    # what the pool holds per token and layer: "kv" (keys and values) or "el" (EL-attention: the attention's
+    # input hidden state, for models without rotary positions: GPT-2 / GPT-BigCode; models/gpt2.py)
+    kv_layout: str = "kv"
     max_num_seqs: int = 256  # running sequences (decode rows) at most; more samples wait for a slot
     lane_ahead_tokens: int = 256  # a sample's own blocks are reserved this far ahead, as one run, while blocks are plentiful
     # speculative sampling (README "Speculative sampling"): None (off), a method name ("ngram"), a
@@ -96,6 +100,8 @@ class EngineConfig:
             raise InvalidArgumentError(f"shared_attention must be one of {SHARED_ATTENTION}, got {self.shared_attention!r}")
         if self.decode_kernel not in DECODE_KERNELS:
             raise InvalidArgumentError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise InvalidArgumentError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidArgumentError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -125,10 +131,25 @@ class EngineMetrics:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def cache_config(model, cfg: EngineConfig):
+    """The model config the pool is laid out by: the model's own (K/V), or its EL-attention form."""
+    if cfg.kv_layout == "kv":
+        return model.config
+    el = getattr(model.config, "el_cache_config", None)
+    if el is None:
+        raise InvalidArgumentError(
+            f"kv_layout 'el' (EL-attention) needs a model whose keys are a product of the hidden state alone "
+            f"(GPT-2, GPT-BigCode); {model.config.architecture} rotates its keys by position (rotary), so W_K "
+            "cannot move to the query side")
+    if cfg.speculative is not None and cfg.speculative.method == "draft":
+        raise InvalidArgumentError("kv_layout 'el' with a draft model is not supported")
+    return el()
+
+
 def pool_blocks(model: LlamaModel, cfg: EngineConfig, kv_dtype, draft_model=None) -> int:
     """KV blocks of the pool: the config's `num_blocks`, else as many as the memory budget holds
     (every block with its twin in a draft model's KV); OutOfMemoryError below 2."""
-    per_block = kv_bytes_per_block(model.config, kv_dtype, cfg.block_size)
+    per_block = kv_bytes_per_block(cache_config(model, cfg), kv_dtype, cfg.block_size)
     if draft_model is not None:  # every block has a twin in the draft's KV
         per_block += kv_bytes_per_block(draft_model.config, draft_model.dtype, cfg.block_size)
     if cfg.num_blocks is not None:
@@ -164,6 +185,11 @@ class Engine:
             draft_model, draft_tokenizer = load_draft_model(spec.draft_model, model.backend)
             check_same_vocabulary(model, tokenizer if has_tokenizer else None, draft_model, draft_tokenizer)
         self.decode_kernel = model.backend.engine_decode_kernel(cfg.decode_kernel)
+        if cfg.kv_layout == "el" and self.decode_kernel == "cpu" and cfg.decode_kernel == "auto":
+            from forklm.backend import cpu_attention_error
+
+            if cpu_attention_error(model.dtype, model.device, model.config.hidden_size) is not None:
+                self.decode_kernel = "torch"  # the C++ kernel takes head dims that are multiples of 16
         if model.device.type == "cpu":  # the step's other C++ parts built now (once per machine), not on a request
             from forklm.kernels import cpu_sampler
 
@@ -177,7 +203,8 @@ class Engine:
             model.config.vocab_size, model.config.max_position_embeddings, has_tokenizer, num_blocks, cfg.block_size,
             cfg.max_num_seqs,
         )
-        self.kv = PagedKVCache(model.config, num_blocks, cfg.block_size, self.kv_dtype, model.device)
+        pool_config = cache_config(model, cfg)
+        self.kv = PagedKVCache(pool_config, num_blocks, cfg.block_size, self.kv_dtype, model.device)
         self.kv_manager = KVManager(self.kv, num_blocks, cfg.block_size, cfg.prefix_cache, cfg.lane_ahead_tokens)
         self.pool, self.radix = self.kv_manager.pool, self.kv_manager.radix
         self.metrics = EngineMetrics()
@@ -193,7 +220,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv_manager, self.metrics, self.speculator)
         planner = StepPlanner(
             cfg.block_size, cfg.shared_attention, model.device, self.decode_kernel,
-            model.config.num_heads, model.config.num_kv_heads, self.kv.num_slots,
+            pool_config.num_heads, pool_config.num_kv_heads, self.kv.num_slots,
         )
         self.runner = ModelRunner(model, self.kv, planner)
         self.output = OutputProcessor(decode, eos_token_ids, self.speculator)

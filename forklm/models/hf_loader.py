@@ -53,12 +53,16 @@ def _load_torch_bins(paths: list[Path]) -> dict[str, torch.Tensor]:
 
 def read_hf_config(path: Path):
     """config.json as forklm's config for its architecture: DeepseekConfig for DeepSeek-V2 / V3 (latent
-    attention, models/deepseek.py), else ModelConfig (Llama-family and Qwen2)."""
+    attention, models/deepseek.py), GPT2Config for GPT-2 / GPT-BigCode (models/gpt2.py), else
+    ModelConfig (Llama-family and Qwen2)."""
     from forklm.models.deepseek import ARCHITECTURES as DEEPSEEK, DeepseekConfig
+    from forklm.models.gpt2 import ARCHITECTURES as GPT2, GPT2Config
 
     cfg = read_json_object(path)
     if cfg.get("model_type") in DEEPSEEK:
         return DeepseekConfig.from_hf_dict(cfg, source=str(path))
+    if cfg.get("model_type") in GPT2:
+        return GPT2Config.from_hf_dict(cfg, source=str(path))
     return ModelConfig.from_hf_dict(cfg, source=str(path))
 
 

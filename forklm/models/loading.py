@@ -12,6 +12,7 @@ from forklm.backend import Backend, loader_keeps_gguf_blocks, resolve_quantize
 from forklm.device import resolve_device, resolve_dtype
 from forklm.kernels.ggml_gemm import GGMLWeights
 from forklm.models.deepseek import DeepseekConfig, DeepseekModel
+from forklm.models.gpt2 import GPT2Config, GPT2Model
 from forklm.models.llama import LlamaModel
 from forklm.models.quant import BlockQuantized
 from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
@@ -21,7 +22,7 @@ from forklm.models.registry import load_model_files
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel | DeepseekModel
+    model: LlamaModel | DeepseekModel | GPT2Model
     tokenizer: Any  # forklm.tokenizer.Tokenizer, or None for random weights
     source: str | Path
 
@@ -42,7 +43,8 @@ def load_model(model: str | Path, *, dtype="auto", device="auto", quantize="auto
         config, weights, tokenizer, source = load_model_files(model, keep_quantized=keep)
     has_blocks = any(isinstance(w, (BlockQuantized, GGMLWeights)) for w in weights.values())
     backend = Backend.resolve(dtype=dtype, device=device, quantize=quantize, has_gguf_blocks=has_blocks)
-    built = (DeepseekModel if isinstance(config, DeepseekConfig) else LlamaModel)(config, weights, backend)
+    model_class = {DeepseekConfig: DeepseekModel, GPT2Config: GPT2Model}.get(type(config), LlamaModel)
+    built = model_class(config, weights, backend)
     del weights
     if backend.fallbacks:
         warnings.warn(f"forklm: {Path(str(source)).name}: " + "; ".join(backend.fallbacks) + " (see `forklm info`)",

@@ -171,7 +171,8 @@ class _Server:
             beam = {}
             if body.use_beam_search:  # n_samples beams, the n best returned; the sampling knobs stay at defaults
                 beam = dict(beam_width=n_samples, length_penalty=body.length_penalty,
-                            early_stopping=body.early_stopping)
+                            early_stopping=body.early_stopping, num_beam_groups=body.num_beam_groups,
+                            diversity_penalty=body.diversity_penalty)
             try:
                 params = SamplingParams(
                     n=body.n if beam else n_samples,

@@ -90,6 +90,8 @@ class _Body(_NullMeansDefault):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    num_beam_groups: int = Field(1, ge=1)  # diverse beam search (forklm extension)
+    diversity_penalty: float = Field(0.0, ge=0)
 
 
 class CompletionBody(_Body):
@@ -196,9 +198,11 @@ def _check_neutral(body: _Body) -> None:
                               param=name)
         if body.top_k:
             raise invalid("top_k does not apply to beam search (deterministic); leave it unset", param="top_k")
-    elif body.length_penalty != 1.0 or body.early_stopping is not False:
-        param = "length_penalty" if body.length_penalty != 1.0 else "early_stopping"
-        raise invalid(f"{param} applies to beam search only (use_beam_search: true)", param=param)
+    else:
+        for param, default in (("length_penalty", 1.0), ("early_stopping", False), ("num_beam_groups", 1),
+                               ("diversity_penalty", 0.0)):
+            if getattr(body, param) != default:
+                raise invalid(f"{param} applies to beam search only (use_beam_search: true)", param=param)
     if isinstance(body, CompletionBody):
         if body.echo:
             raise unsupported("echo")

@@ -1,0 +1,165 @@
+"""GPT-2 and GPT-BigCode (models/gpt2.py) through the engine, on random-weight checkpoints that
+transformers wrote: logits and greedy tokens == transformers', with keys and values cached (MHA /
+MQA) and with EL-attention (the pool holds hidden states, queries expanded through W_K): EL ==
+standard == bifurcated, beam search == transformers' beam search, the pool's bytes, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from forklm import LLM
+from forklm.errors import InvalidArgumentError, UnsupportedModelError
+from forklm.models.gpt2 import GPT2Model
+from forklm.sampling.params import SamplingOptions
+
+VOCAB = 300
+ARCHS = ["gpt2", "gpt_bigcode"]
+
+
+def build(tmp_path_factory, arch: str, **overrides):
+    """A random checkpoint with weights large enough that every token depends on its context,
+    and a WordLevel tokenizer over its vocabulary."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    kw = dict(vocab_size=VOCAB, n_positions=512, n_embd=64, n_layer=3, n_head=4, eos_token_id=2, bos_token_id=1)
+    kw.update(overrides)
+    torch.manual_seed(7)
+    if arch == "gpt2":
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**kw))
+    else:
+        hf = transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(multi_query=True, **kw))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                p.normal_(0, 0.5 if "wte" in name or "wpe" in name else 0.25)
+            else:
+                p.normal_(1.0 if "ln" in name and name.endswith("weight") else 0.0, 0.1)
+    hf.eval()
+    folder = tmp_path_factory.mktemp(arch)
+    hf.save_pretrained(folder)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return hf, folder
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request, tmp_path_factory):
+    hf, folder = build(tmp_path_factory, request.param)
+    return hf, LLM(str(folder), dtype="float32")
+
+
+def prompt_ids(seed: int, length: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("attention", ["auto", "standard", "el"])
+def test_greedy_tokens_and_logprobs_are_transformers(pair, attention):
+    hf, llm = pair
+    assert isinstance(llm.model, GPT2Model)
+    prompt = prompt_ids(1, 40)  # longer than a block: full shared blocks and a tail
+    seq, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(10):
+            row = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1].float(), -1)
+            seq.append(int(row.argmax()))
+            lps.append(float(row.max()))
+    out = llm.sample(prompt, n=3, max_tokens=10, temperature=0.0, ignore_eos=True, attention=attention)
+    assert len(set(seq[len(prompt):])) > 2  # the checkpoint's tokens depend on the context
+    for s in out.samples:
+        assert s.token_ids == seq[len(prompt):]
+        assert s.logprobs == pytest.approx(lps, rel=1e-4, abs=1e-4)
+
+
+def test_el_equals_standard_and_bifurcated_when_sampling(pair):
+    _, llm = pair
+    prompt = prompt_ids(2, 70)
+    outs = {a: llm.sample(prompt, n=6, max_tokens=16, temperature=1.0, seed=11, ignore_eos=True, attention=a)
+            for a in ("standard", "bifurcated", "el")}
+    for a in ("bifurcated", "el"):
+        for x, y in zip(outs[a].samples, outs["standard"].samples):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, rel=1e-4, abs=1e-5)
+
+
+def test_el_pool_holds_one_hidden_state_per_token_and_layer(pair):
+    _, llm = pair
+    c = llm.config
+    kv = llm.engine(num_blocks=8)
+    el = llm.engine(num_blocks=8, kv_layout="el")
+    assert el.kv.shares_values and el.kv.v is el.kv.k
+    assert [tuple(t.shape) for t in el.kv.k] == [(1, el.kv.num_slots, c.hidden_size)] * c.num_layers
+    per_token_kv = kv.kv.nbytes() // kv.kv.num_slots
+    per_token_el = el.kv.nbytes() // el.kv.num_slots
+    assert per_token_el == c.num_layers * c.hidden_size * 4
+    assert per_token_kv == c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    # GPT-2's multi-head cache is twice EL's; multi-query's is far smaller than EL's
+    assert per_token_kv == (2 * per_token_el if c.architecture == "gpt2" else per_token_el // 2)
+
+
+def test_el_cache_holds_the_attention_inputs(pair):
+    """The prompt's cached hidden states are ln_1 of each layer's input, as transformers computes it."""
+    hf, llm = pair
+    prompt = prompt_ids(3, 20)
+    engine = llm.engine(kv_layout="el", prefix_cache=False)
+    req = engine.add_request(prompt, SamplingOptions(max_tokens=4, ignore_eos=True).params())
+    engine.step()  # the prefill (and the first token)
+    with torch.no_grad():
+        hs = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    blocks = req.prompt_blocks
+    slots = [blocks[t // engine.block_size] * engine.block_size + t % engine.block_size for t in range(len(prompt))]
+    for i, block in enumerate(hf.transformer.h):
+        want = block.ln_1(hs[i][0])
+        got = engine.kv.k[i][0, slots]
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_beam_search_is_transformers_on_both_layouts(pair):
+    hf, llm = pair
+    prompt = prompt_ids(4, 30)
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4, max_new_tokens=12,
+                        do_sample=False, return_dict_in_generate=True, output_scores=True, eos_token_id=2,
+                        pad_token_id=2, length_penalty=0.5)
+    for attention in ("auto", "el"):
+        out = llm.beam_search(prompt, 4, max_tokens=12, length_penalty=0.5, attention=attention)
+        for i, s in enumerate(out.samples):
+            gen = g.sequences[i, len(prompt):].tolist()
+            assert gen[: len(s.token_ids)] == s.token_ids
+            assert s.score == pytest.approx(g.sequences_scores[i].item(), rel=1e-4, abs=1e-5)
+
+
+def test_el_is_refused_for_rotary_models(smollm2_f32):
+    with pytest.raises(InvalidArgumentError, match="rotary"):
+        smollm2_f32.engine(kv_layout="el")
+    with pytest.raises(InvalidArgumentError, match="kv_layout"):
+        smollm2_f32.engine(kv_layout="latent")
+
+
+def test_unsupported_configs_and_tensors_are_refused_by_name(tmp_path_factory):
+    _, folder = build(tmp_path_factory, "gpt2", n_layer=1)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
+    with pytest.raises(UnsupportedModelError, match="activation_function"):
+        LLM(str(folder), dtype="float32")
+    (folder / "config.json").write_text(json.dumps({**cfg, "scale_attn_by_inverse_layer_idx": True}))
+    with pytest.raises(UnsupportedModelError, match="scale_attn_by_inverse_layer_idx"):
+        LLM(str(folder), dtype="float32")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="quantize"):
+        LLM(str(folder), dtype="float32", quantize="int8")
+
+
+def test_positions_past_the_learned_table_are_refused(tmp_path_factory):
+    _, folder = build(tmp_path_factory, "gpt2", n_layer=1, n_positions=64)
+    llm = LLM(str(folder), dtype="float32")
+    with pytest.raises(InvalidArgumentError, match="context length"):
+        llm.sample(prompt_ids(5, 60), max_tokens=8)
