@@ -163,3 +163,21 @@ def test_positions_past_the_learned_table_are_refused(tmp_path_factory):
     llm = LLM(str(folder), dtype="float32")
     with pytest.raises(InvalidArgumentError, match="context length"):
         llm.sample(prompt_ids(5, 60), max_tokens=8)
+
+
+def test_el_chunked_prefill_and_cache_hits_recompute_prefix_keys(pair):
+    """Prefill chunks over an EL pool attend over keys and values recomputed from their prefix's
+    hidden states: small chunks, and a second request hitting the first one's cached prompt, give
+    the one-chunk prefill's tokens and log-probs."""
+    _, llm = pair
+    prompt = prompt_ids(6, 90)
+    want = llm.sample(prompt, n=2, max_tokens=8, temperature=0.0, ignore_eos=True, attention="standard")
+    engine = llm.engine(kv_layout="el", max_batch_tokens=24)
+    params = SamplingOptions(n=2, max_tokens=8, temperature=0.0, ignore_eos=True).params()
+    for _ in range(2):  # the second finds the prompt in the prefix cache
+        req = engine.add_request(prompt, params)
+        engine.run()
+        for x, y in zip(req.output.samples, want.samples):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, rel=1e-4, abs=1e-5)
+    assert req.output.stats.cached_prompt_tokens > 0

@@ -570,6 +570,38 @@ class PagedAttention:
         kv = latent.unsqueeze(1)  # [T, 1, Dk]
         return self.attend(layer, q, kv, kv, scale)[..., :v_dim]
 
+    def attend_el(self, layer: int, x: torch.Tensor, q: torch.Tensor, expand, unexpand, kv_of,
+                  scale: float) -> torch.Tensor:
+        """EL-attention (models/gpt2.py): the pool holds each token's attention input x (one
+        hidden_size-wide "KV head", V is K). x [T, Dm] (written to the pool), q [T, h, D] -> [T, h, D].
+        Decode rows attend over the hidden states with their queries expanded through W_K
+        (`expand`: [B, h, D] -> [B, h, Dm]), the weighted sums taken through W_V after
+        (`unexpand`: [B, h, Dm] -> [B, h, D]): multi-query attention over the pool, so the step's
+        plan applies unchanged (a shared prompt read once for all rows · h heads when bifurcated).
+        A prefill chunk attends over keys and values recomputed from its prefix's hidden states
+        (`kv_of`: [S, Dm] -> k, v [S, g, D]), as cheap as expanding its queries is not."""
+        plan = self.plan
+        xs = x.unsqueeze(1)
+        self.kv.write(layer, plan.write_slots, xs, xs)
+        parts = []
+        B = plan.num_decode
+        if B:
+            qd = q[:B] if plan.order is None else q[:B].index_select(0, plan.order)
+            o = unexpand(self._decode(layer, expand(qd), 1, scale))
+            if plan.order is not None:
+                o = torch.empty_like(o).index_copy_(0, plan.order, o)
+            parts.append(o)
+        X = self.kv.k[layer][0]  # [slots, Dm]
+        for ch in plan.chunks:
+            r0, r1 = ch.row_start, ch.row_start + ch.num_tokens
+            k, v = kv_of(x[r0:r1])
+            segments = []
+            if ch.prefix_runs:
+                kp, vp = kv_of(torch.cat([X[f : f + n] for f, n in ch.prefix_runs]).to(x.dtype))
+                segments = [(kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0))]
+            parts.append(self._causal_and_segments(q[r0:r1], k, v, segments, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
     # ------------------------------------------------------------------ decode rows
     def _decode(self, layer: int, q: torch.Tensor, g: int, scale: float) -> torch.Tensor:
         """q [B, h, D] in plan order -> [B, h, D]."""
@@ -675,24 +707,32 @@ class PagedAttention:
     def _prefill(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: Runs, scale: float
     ) -> torch.Tensor:
-        T, h, D = q.shape
-        g = k.shape[1]
-        p = h // g
         K, V = self.kv.k[layer], self.kv.v[layer]
         if K.dtype != q.dtype:  # a float16 cache: the chunk sees its own K/V as the cache holds them
             k, v = k.to(K.dtype).to(q.dtype), v.to(K.dtype).to(q.dtype)
+        # the earlier tokens' runs, read in place (float16 cache: a float copy of the run, prefill only)
+        segments = ((K[:, first : first + n].unsqueeze(0).to(q.dtype), V[:, first : first + n].unsqueeze(0).to(q.dtype))
+                    for first, n in prefix)
+        return self._causal_and_segments(q, k, v, segments, scale)
+
+    @staticmethod
+    def _causal_and_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments, scale: float) -> torch.Tensor:
+        """q [T, h, D] causally over its own k / v [T, g, D], then over each earlier segment (ks, vs
+        [1, g, S, D]), merged by log-sum-exp -> [T, h, D]."""
+        T, h, D = q.shape
+        g = k.shape[1]
+        p = h // g
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, T, D]
         kh = k.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
         vh = v.transpose(0, 1).repeat_interleave(p, dim=0).unsqueeze(0)
         o, lse = attend_segment(qh, kh, vh, scale, causal=True)  # [1, h, T, D], [1, h, T]
-        if not prefix:
+        segments = list(segments)
+        if not segments:
             return o[0].transpose(0, 1)
         o = o.float()  # merged in float32, rounded once at the end
-        # All T·p query rows of a KV head against the earlier tokens, read in place run by run.
+        # All T·p query rows of a KV head against the earlier tokens, segment by segment.
         q_rows = q.view(T, g, p, D).permute(1, 0, 2, 3).reshape(1, g, T * p, D)
-        for first, n in prefix:
-            # views of the cache (float16 cache: a float copy of the run, prefill only)
-            ks, vs = K[:, first : first + n].unsqueeze(0).to(q.dtype), V[:, first : first + n].unsqueeze(0).to(q.dtype)
+        for ks, vs in segments:
             o_p, lse_p = attend_segment(q_rows, ks, vs, scale)
             o_p = o_p.view(g, T, p, D).permute(0, 2, 1, 3).reshape(1, h, T, D)
             lse_p = lse_p.view(g, T, p).permute(0, 2, 1).reshape(1, h, T)

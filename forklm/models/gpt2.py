@@ -141,6 +141,7 @@ class GPT2Model:
         else:
             weights.pop("lm_head.weight", None)
             self.lm_head = reader.transposed(self.wte) if backend.weight_layout == "in_out" else self.wte
+        self._el: list[dict[str, torch.Tensor]] = []  # EL-attention's weights per layer (`_el_weights`)
         unused = sorted(weights)
         if unused:
             more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
@@ -155,14 +156,9 @@ class GPT2Model:
         if tuple(w_qkv.shape) != ((h + 2 * g) * D, H):
             raise ModelFileError(f"{pre}attn.c_attn.weight has shape {tuple(w_qkv.shape)}, expected "
                                  f"{((h + 2 * g) * D, H)} ({c.architecture}, {h} heads, {g} KV heads)")
-        b_qkv = take(pre + "attn.c_attn.bias")
         return {
             "ln_1": (take(pre + "ln_1.weight"), take(pre + "ln_1.bias")),
-            "qkv": reader.transposed(w_qkv), "qkv_bias": b_qkv,
-            # EL-attention: per head W_K,h [D, H] and W_V,h [D, H] (float32 for the expansions) and b_V
-            "w_k": w_qkv[h * D : (h + g) * D].float().view(g, D, H),
-            "w_v": w_qkv[(h + g) * D :].float().view(g, D, H),
-            "b_v": b_qkv[(h + g) * D :].float().view(g, D),
+            "qkv": reader.transposed(w_qkv), "qkv_bias": take(pre + "attn.c_attn.bias"),
             "o": reader.matrix(pre + "attn.c_proj.weight"), "o_bias": take(pre + "attn.c_proj.bias"),
             "ln_2": (take(pre + "ln_2.weight"), take(pre + "ln_2.bias")),
             "fc": reader.matrix(pre + "mlp.c_fc.weight"), "fc_bias": take(pre + "mlp.c_fc.bias"),
@@ -175,8 +171,8 @@ class GPT2Model:
     def num_weight_bytes(self) -> int:
         tensors = [self.wte, self.wpe, *self.ln_f]
         for layer in self.layers:
-            tensors += [t for k, v in layer.items() if k not in ("w_k", "w_v", "b_v")
-                        for t in (v if isinstance(v, tuple) else (v,))]
+            tensors += [t for v in layer.values() for t in (v if isinstance(v, tuple) else (v,))]
+        tensors += [t for el in self._el for t in el.values()]
         return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
 
     def _norm(self, x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -194,12 +190,44 @@ class GPT2Model:
             k = qkv[:, h * D : (h + g) * D].view(T, g, D)
             v = qkv[:, (h + g) * D :].view(T, g, D)
             return attention.attend(i, q, k, v, scale).reshape(T, h * D)
-        q = (self.product(x, layer["qkv"][:, : h * D] if self.backend.weight_layout == "in_out"
-                          else layer["qkv"][: h * D]) + layer["qkv_bias"][: h * D]).view(T, g, h // g, D)
-        q_el = torch.einsum("tgpd,gdh->tgph", q.float(), layer["w_k"]).reshape(T, h, c.hidden_size)
-        s = attention.attend_latent(i, q_el.to(x.dtype), x, c.hidden_size, scale)  # [T, h, H]: Σ_j p_j x_j per head
-        out = torch.einsum("tgph,gdh->tgpd", s.float().view(T, g, h // g, c.hidden_size), layer["w_v"])
-        return (out + layer["b_v"][None, :, None, :]).to(x.dtype).reshape(T, h * D)
+        el_w = self._el_weights(i)
+        Hd, p = c.hidden_size, h // g
+        q = (self.product(x, el_w["q"]) + el_w["q_bias"]).view(T, h, D)
+
+        def expand(qd: torch.Tensor) -> torch.Tensor:  # [B, h, D] -> q̃ = W_K,h · q_h [B, h, Hd]
+            B = qd.shape[0]
+            return torch.einsum("bgpd,gdh->bgph", qd.float().view(B, g, p, D), el_w["w_k"]).reshape(B, h, Hd).to(x.dtype)
+
+        def unexpand(sums: torch.Tensor) -> torch.Tensor:  # Σ_j p_j x_j [B, h, Hd] -> W_V,h · sums + b_V,h [B, h, D]
+            B = sums.shape[0]
+            out = torch.einsum("bgph,gdh->bgpd", sums.float().view(B, g, p, Hd), el_w["w_v"])
+            return (out + el_w["b_v"][None, :, None, :]).to(x.dtype).reshape(B, h, D)
+
+        def kv_of(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Hd] -> k, v [S, g, D]
+            kv = self.product(xs, el_w["kv"]) + el_w["kv_bias"]
+            return kv[:, : g * D].view(-1, g, D), kv[:, g * D :].view(-1, g, D)
+
+        return attention.attend_el(i, x, q, expand, unexpand, kv_of, scale).reshape(T, h * D)
+
+    def _el_weights(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's EL-attention weights, made on first use (only EL engines pay their memory): the
+        q and k/v parts of c_attn as products, W_K,h and W_V,h per KV head [g, D, H] float32, b_V."""
+        if not self._el:
+            c = self.config
+            h, g, D, H = c.num_heads, c.attn_heads_kv, c.attn_head_dim, c.hidden_size
+            for layer in self.layers:
+                w, b = layer["qkv"], layer["qkv_bias"]
+                w_out_in = w.t() if self.backend.weight_layout == "in_out" else w  # [(h + 2g)·D, H]
+                part = (lambda a, z: w[:, a:z].contiguous()) if self.backend.weight_layout == "in_out" \
+                    else (lambda a, z: w[a:z].contiguous())
+                self._el.append({
+                    "q": part(0, h * D), "q_bias": b[: h * D],
+                    "kv": part(h * D, (h + 2 * g) * D), "kv_bias": b[h * D :],
+                    "w_k": w_out_in[h * D : (h + g) * D].float().reshape(g, D, H),
+                    "w_v": w_out_in[(h + g) * D :].float().reshape(g, D, H),
+                    "b_v": b[(h + g) * D :].float().view(g, D),
+                })
+        return self._el[i]
 
     @torch.inference_mode()
     def forward(
