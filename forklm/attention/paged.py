@@ -570,7 +570,7 @@ class PagedAttention:
         kv = latent.unsqueeze(1)  # [T, 1, Dk]
         return self.attend(layer, q, kv, kv, scale)[..., :v_dim]
 
-    def attend_el(self, layer: int, x: torch.Tensor, q: torch.Tensor, expand, unexpand, kv_of,
+    def attend_el(self, layer: int, x: torch.Tensor, q: torch.Tensor, expand, unexpand, kv_of, g: int,
                   scale: float) -> torch.Tensor:
         """EL-attention (models/gpt2.py): the pool holds each token's attention input x (one
         hidden_size-wide "KV head", V is K). x [T, Dm] (written to the pool), q [T, h, D] -> [T, h, D].
@@ -579,7 +579,8 @@ class PagedAttention:
         (`unexpand`: [B, h, Dm] -> [B, h, D]): multi-query attention over the pool, so the step's
         plan applies unchanged (a shared prompt read once for all rows · h heads when bifurcated).
         A prefill chunk attends over keys and values recomputed from its prefix's hidden states
-        (`kv_of`: [S, Dm] -> k, v [S, g, D]), as cheap as expanding its queries is not."""
+        (`kv_of`: [S, Dm] -> k, v [S, g, D], g KV heads) or, when that costs more (a short chunk
+        after a long prefix: a prompt's last tokens after a cache hit), with its queries expanded."""
         plan = self.plan
         xs = x.unsqueeze(1)
         self.kv.write(layer, plan.write_slots, xs, xs)
@@ -592,8 +593,15 @@ class PagedAttention:
                 o = torch.empty_like(o).index_copy_(0, plan.order, o)
             parts.append(o)
         X = self.kv.k[layer][0]  # [slots, Dm]
+        D = q.shape[2]
         for ch in plan.chunks:
             r0, r1 = ch.row_start, ch.row_start + ch.num_tokens
+            # Per prefix token, recomputing its k / v costs 2·Dm·2gD flops; expanding the chunk's queries
+            # instead costs c·h·Dm·2 (scores and sums over Dm-wide rows): the cheaper way for this chunk.
+            if ch.prefix_runs and ch.num_tokens * q.shape[1] < 2 * g * D:
+                xc = xs[r0:r1]
+                parts.append(unexpand(self._prefill(layer, expand(q[r0:r1]), xc, xc, ch.prefix_runs, scale)))
+                continue
             k, v = kv_of(x[r0:r1])
             segments = []
             if ch.prefix_runs:

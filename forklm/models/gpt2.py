@@ -207,7 +207,7 @@ class GPT2Model:
             kv = self.product(xs, el_w["kv"]) + el_w["kv_bias"]
             return kv[:, : g * D].view(-1, g, D), kv[:, g * D :].view(-1, g, D)
 
-        return attention.attend_el(i, x, q, expand, unexpand, kv_of, scale).reshape(T, h * D)
+        return attention.attend_el(i, x, q, expand, unexpand, kv_of, g, scale).reshape(T, h * D)
 
     def _el_weights(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's EL-attention weights, made on first use (only EL engines pay their memory): the
