@@ -181,3 +181,85 @@ def test_el_chunked_prefill_and_cache_hits_recompute_prefix_keys(pair):
             assert x.token_ids == y.token_ids
             assert x.logprobs == pytest.approx(y.logprobs, rel=1e-4, abs=1e-5)
     assert req.output.stats.cached_prompt_tokens > 0
+
+
+# ---------------------------------------------------------------- GGUF files (llama.cpp's converter)
+CONVERTER = (__import__("pathlib").Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp"
+             / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")
+SMOLLM2_VOCAB = 49152
+
+
+def mixed_types(name: str, k: int) -> str | None:
+    """Every product of a layer in a different block type the block kernel runs; the table Q8_0."""
+    types = {"attn_qkv": "Q8_0", "attn_output": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q5_1"}
+    if name == "token_embd.weight":
+        return "Q8_0"
+    part = name.split(".")[2] if name.startswith("blk.") and name.endswith(".weight") else None
+    return types.get(part)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def gguf_pair(request, tmp_path_factory, smollm2_gguf):
+    """(transformers' model, its GGUF file written by llama.cpp's convert_hf_to_gguf.py, the same
+    file requantized to mixed block types), over SmolLM2's tokenizer (one the converter knows)."""
+    import subprocess
+    import sys
+
+    from forklm.models.gguf_file import read_gguf
+    from forklm.tokenizer import Tokenizer
+    from gguf_files import requantize
+
+    if not CONVERTER.exists():
+        pytest.skip(f"{CONVERTER} not present (scripts/build_ggml.sh unpacks llama.cpp's sources)")
+    arch = request.param
+    hf, folder = build(tmp_path_factory, arch, vocab_size=SMOLLM2_VOCAB, n_positions=256)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "n_ctx": cfg["n_positions"]}))  # the converter reads n_ctx
+    meta, _ = read_gguf(smollm2_gguf)
+    Tokenizer.from_gguf_fields(meta)._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "GPT2Tokenizer"}))
+    f32 = folder / f"{arch}-f32.gguf"
+    r = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outfile", str(f32), "--outtype", "f32"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return hf, f32, requantize(f32, folder / f"{arch}-mixed.gguf", mixed_types)
+
+
+def test_gguf_file_is_transformers(gguf_pair):
+    hf, f32, _ = gguf_pair
+    llm = LLM(str(f32), dtype="float32")
+    assert isinstance(llm.model, GPT2Model) and llm.config.architecture in ARCHS
+    prompt = llm.prompt_token_ids("def fibonacci(n):\n    if n < 2:")
+    seq, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(8):
+            row = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1].float(), -1)
+            seq.append(int(row.argmax()))
+            lps.append(float(row.max()))
+    for attention in ("auto", "el"):
+        out = llm.sample(prompt, n=2, max_tokens=8, temperature=0.0, ignore_eos=True, attention=attention)
+        for s in out.samples:
+            assert s.token_ids == seq[len(prompt):]
+            assert s.logprobs == pytest.approx(lps, rel=1e-4, abs=1e-4)
+
+
+def test_quantized_gguf_runs_its_blocks_as_stored(gguf_pair):
+    """The requantized file's products run on the block kernel, no dense copies; its logits are the
+    dequantized file's within the kernel's activation rounding, on both cache layouts."""
+    from forklm.models.quant import BlockLinear
+
+    _, _, mixed = gguf_pair
+    fast = LLM(str(mixed), dtype="float32")
+    dense = LLM(str(mixed), dtype="float32", quantize=None)
+    assert fast.quantize == "gguf"
+    layer = fast.model.layers[0]
+    for key in ("qkv", "o", "fc", "proj"):
+        assert isinstance(layer[key], BlockLinear) and layer[key].dense is None
+    prompt = fast.prompt_token_ids("import numpy as np\nx = np.")
+    want = dense.sample(prompt, n=2, max_tokens=6, temperature=0.0, ignore_eos=True)
+    for attention in ("auto", "el"):
+        got = fast.sample(prompt, n=2, max_tokens=6, temperature=0.0, ignore_eos=True, attention=attention)
+        a, b = got.samples[0], want.samples[0]
+        assert a.token_ids[0] == b.token_ids[0]
+        assert a.logprobs[0] == pytest.approx(b.logprobs[0], rel=0.05, abs=0.05)

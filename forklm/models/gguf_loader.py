@@ -15,7 +15,8 @@ from forklm.errors import ModelFileError, UnsupportedModelError
 from forklm.models.gguf_file import GGMLType
 from forklm.tokenizer import Tokenizer
 
-_ARCHITECTURES = ("llama", "qwen2")
+_ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder")
+_GPT2_FAMILY = {"gpt2": "gpt2", "starcoder": "gpt_bigcode"}  # GGUF architecture -> models/gpt2.py's
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,6 +33,20 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# GPT-2 / StarCoder files (llama.cpp's converter writes every matrix [out, in], the head tied)
+_GPT2_GLOBAL_NAMES = {
+    "token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+_GPT2_LAYER_NAMES = {
+    "attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
+    "attn_qkv.weight": "attn.c_attn.weight", "attn_qkv.bias": "attn.c_attn.bias",
+    "attn_output.weight": "attn.c_proj.weight", "attn_output.bias": "attn.c_proj.bias",
+    "ffn_norm.weight": "ln_2.weight", "ffn_norm.bias": "ln_2.bias",
+    "ffn_up.weight": "mlp.c_fc.weight", "ffn_up.bias": "mlp.c_fc.bias",
+    "ffn_down.weight": "mlp.c_proj.weight", "ffn_down.bias": "mlp.c_proj.bias",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # general.file_type values that say what the whole checkpoint is stored in (llama.cpp's LLAMA_FTYPE).
@@ -64,17 +79,18 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConf
     except (ModelFileError, UnsupportedModelError) as e:
         raise type(e)(f"{path}: {e}") from None
     infos = {t.name: t for t in tensors}
-    config = _config_of(meta, arch, infos, tokenizer, path)
+    gpt2 = arch in _GPT2_FAMILY
+    config = _gpt2_config_of(meta, arch, infos, tokenizer, path) if gpt2 else _config_of(meta, arch, infos, tokenizer, path)
 
-    expected = _expected_shapes(config)
+    expected = _gpt2_expected_shapes(config) if gpt2 else _expected_shapes(config)
     weights: dict[str, torch.Tensor] = {}
     for name, info in infos.items():
         if name == "rope_freqs.weight":  # folded into config.rope by _config_of
             continue
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, gpt2)
         if hf_name not in expected:
-            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for this {arch} model "
-                                        f"(attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias})")
+            detail = "" if gpt2 else f" (attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias})"
+            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for this {arch} model{detail}")
         shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims fastest-first (ne order)
         if shape != expected[hf_name]:
             raise ModelFileError(f"{path}: tensor {name!r} has shape {shape}, expected {expected[hf_name]}")
@@ -99,13 +115,58 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConf
     return config, weights, tokenizer
 
 
-def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def _hf_name(name: str, gpt2: bool = False) -> str | None:
+    global_names, layer_names, layer = ((_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, "transformer.h") if gpt2
+                                        else (_GLOBAL_NAMES, _LAYER_NAMES, "model.layers"))
+    if name in global_names:
+        return global_names[name]
     m = _LAYER_RE.fullmatch(name)
-    if m and m[2] in _LAYER_NAMES:
-        return f"model.layers.{int(m[1])}.{_LAYER_NAMES[m[2]]}"
+    if m and m[2] in layer_names:
+        return f"{layer}.{int(m[1])}.{layer_names[m[2]]}"
     return None
+
+
+def _gpt2_config_of(meta: dict[str, Any], arch: str, infos: dict[str, Any], tokenizer: Tokenizer, path: Path):
+    """GPT2Config (models/gpt2.py) from a `gpt2` / `starcoder` file's metadata (llama.cpp runs both
+    with the tanh GELU, as transformers' gelu_new / gelu_pytorch_tanh)."""
+    from forklm.models.gpt2 import GPT2Config
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelFileError(f"{path}: missing metadata key {arch}.{key!r}")
+        return value
+
+    H, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    g = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
+    if H % heads or heads % g:
+        raise ModelFileError(f"{path}: embedding_length {H}, {heads} heads and {g} KV heads do not divide")
+    embd = infos.get("token_embd.weight")
+    vocab = int(embd.shape[-1]) if embd is not None else len(meta["tokenizer.ggml.tokens"])
+    return GPT2Config(
+        architecture=_GPT2_FAMILY[arch], vocab_size=vocab, hidden_size=H,
+        intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")), num_heads=heads,
+        num_kv_heads=g, head_dim=H // heads, max_position_embeddings=int(get("context_length")),
+        layer_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)), activation="tanh",
+        tie_word_embeddings="output.weight" not in infos, bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids, attn_heads_kv=g, attn_head_dim=H // heads, conv1d=False,
+    )
+
+
+def _gpt2_expected_shapes(c) -> dict[str, tuple[int, ...]]:
+    H, I, D, g = c.hidden_size, c.intermediate_size, c.attn_head_dim, c.attn_heads_kv
+    qkv = H + 2 * g * D
+    want = {"transformer.wte.weight": (c.vocab_size, H), "transformer.wpe.weight": (c.max_position_embeddings, H),
+            "transformer.ln_f.weight": (H,), "transformer.ln_f.bias": (H,)}
+    if not c.tie_word_embeddings:
+        want["lm_head.weight"] = (c.vocab_size, H)
+    for n in range(c.num_layers):
+        p = f"transformer.h.{n}."
+        want.update({p + "ln_1.weight": (H,), p + "ln_1.bias": (H,), p + "attn.c_attn.weight": (qkv, H),
+                     p + "attn.c_attn.bias": (qkv,), p + "attn.c_proj.weight": (H, H), p + "attn.c_proj.bias": (H,),
+                     p + "ln_2.weight": (H,), p + "ln_2.bias": (H,), p + "mlp.c_fc.weight": (I, H),
+                     p + "mlp.c_fc.bias": (I,), p + "mlp.c_proj.weight": (H, I), p + "mlp.c_proj.bias": (H,)})
+    return want
 
 
 def _dequantize(info: Any, path: Path) -> torch.Tensor:

@@ -30,6 +30,7 @@ from forklm.backend import Backend
 from forklm.errors import ModelFileError, UnsupportedModelError
 from forklm.models.llama import _WeightReader
 from forklm.models.moe import product_for
+from forklm.models.quant import QuantizedLinear
 
 ARCHITECTURES = {"gpt2": "gpt2", "gpt_bigcode": "gpt_bigcode"}
 _ACTIVATIONS = {
@@ -57,6 +58,7 @@ class GPT2Config:
     el: bool = False  # the EL-attention cache layout (hidden states; see the module docstring)
     attn_heads_kv: int = 0  # the attention's own KV heads (num_heads for GPT-2, 1 for multi-query)
     attn_head_dim: int = 0
+    conv1d: bool = False  # matrices stored [in, out] (transformers' GPT-2 Conv1D), not [out, in] (GGUF, BigCode)
 
     @property
     def kv_shares_values(self) -> bool:
@@ -104,8 +106,15 @@ class GPT2Config:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-            attn_heads_kv=g, attn_head_dim=D,
+            attn_heads_kv=g, attn_head_dim=D, conv1d=arch == "gpt2",
         )
+
+
+def _out_in_shape(w, backend: Backend) -> tuple[int, int]:
+    """A product's weight shape as [out, in], whatever form the backend holds it in."""
+    if isinstance(w, QuantizedLinear) or backend.weight_layout == "out_in":
+        return tuple(w.shape)
+    return tuple(w.shape)[::-1]
 
 
 class GPT2Model:
@@ -113,9 +122,6 @@ class GPT2Model:
     refused by name (GPT-2's stored attention-mask buffers, `attn.bias` / `attn.masked_bias`, aside)."""
 
     def __init__(self, config: GPT2Config, weights: dict[str, torch.Tensor], backend: Backend) -> None:
-        if backend.quantize is not None:
-            raise UnsupportedModelError(f"quantize={backend.quantize!r} is not supported for {config.architecture} "
-                                        "yet: GPT-2 / GPT-BigCode models run float weights (quantize=None)")
         self.config, self.backend = config, backend
         backend.for_model(config.head_dim)
         self.dtype, self.device = backend.dtype, backend.device
@@ -124,7 +130,7 @@ class GPT2Model:
         for name in [n for n in weights if n.endswith((".attn.bias", ".attn.masked_bias"))
                      and weights[n].dim() != 1]:
             del weights[name]  # GPT-2's causal-mask buffers, saved by old transformers
-        if config.architecture == "gpt2":  # Conv1D weights are stored [in, out]: as Linear's [out, in]
+        if config.conv1d:  # Conv1D weights are stored [in, out]: as Linear's [out, in]
             for name in [n for n in weights if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))]:
                 weights[name] = weights[name].t()
         reader = _WeightReader(weights, backend)
@@ -152,13 +158,13 @@ class GPT2Model:
         c, pre = self.config, f"transformer.h.{i}."
         take = reader.take
         H, h, g, D = c.hidden_size, c.num_heads, c.attn_heads_kv, c.attn_head_dim
-        w_qkv = take(pre + "attn.c_attn.weight")  # [(h + 2g)·D, H] (as Linear)
-        if tuple(w_qkv.shape) != ((h + 2 * g) * D, H):
-            raise ModelFileError(f"{pre}attn.c_attn.weight has shape {tuple(w_qkv.shape)}, expected "
+        qkv = reader.matrix(pre + "attn.c_attn.weight")  # [(h + 2g)·D, H] as Linear, in the backend's form
+        if _out_in_shape(qkv, self.backend) != ((h + 2 * g) * D, H):
+            raise ModelFileError(f"{pre}attn.c_attn.weight has shape {_out_in_shape(qkv, self.backend)}, expected "
                                  f"{((h + 2 * g) * D, H)} ({c.architecture}, {h} heads, {g} KV heads)")
         return {
             "ln_1": (take(pre + "ln_1.weight"), take(pre + "ln_1.bias")),
-            "qkv": reader.transposed(w_qkv), "qkv_bias": take(pre + "attn.c_attn.bias"),
+            "qkv": qkv, "qkv_bias": take(pre + "attn.c_attn.bias"),
             "o": reader.matrix(pre + "attn.c_proj.weight"), "o_bias": take(pre + "attn.c_proj.bias"),
             "ln_2": (take(pre + "ln_2.weight"), take(pre + "ln_2.bias")),
             "fc": reader.matrix(pre + "mlp.c_fc.weight"), "fc_bias": take(pre + "mlp.c_fc.bias"),
@@ -172,7 +178,8 @@ class GPT2Model:
         tensors = [self.wte, self.wpe, *self.ln_f]
         for layer in self.layers:
             tensors += [t for v in layer.values() for t in (v if isinstance(v, tuple) else (v,))]
-        tensors += [t for el in self._el for t in el.values()]
+        tensors += [t for el in self._el for t in el.values() if t is not None]
+        tensors = [u for t in tensors for u in (t.tensors() if isinstance(t, QuantizedLinear) else [t])]
         return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
 
     def _norm(self, x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -192,7 +199,10 @@ class GPT2Model:
             return attention.attend(i, q, k, v, scale).reshape(T, h * D)
         el_w = self._el_weights(i)
         Hd, p = c.hidden_size, h // g
-        q = (self.product(x, el_w["q"]) + el_w["q_bias"]).view(T, h, D)
+        if el_w["q"] is None:  # quantized c_attn: its whole product, sliced
+            q = (self.product(x, layer["qkv"]) + layer["qkv_bias"])[:, : h * D].reshape(T, h, D)
+        else:
+            q = (self.product(x, el_w["q"]) + el_w["q_bias"]).view(T, h, D)
 
         def expand(qd: torch.Tensor) -> torch.Tensor:  # [B, h, D] -> q̃ = W_K,h · q_h [B, h, Hd]
             B = qd.shape[0]
@@ -204,8 +214,11 @@ class GPT2Model:
             return (out + el_w["b_v"][None, :, None, :]).to(x.dtype).reshape(B, h, D)
 
         def kv_of(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Hd] -> k, v [S, g, D]
-            kv = self.product(xs, el_w["kv"]) + el_w["kv_bias"]
-            return kv[:, : g * D].view(-1, g, D), kv[:, g * D :].view(-1, g, D)
+            if el_w["kv"] is None:
+                kv = (self.product(xs, layer["qkv"]) + layer["qkv_bias"])[:, h * D :]
+            else:
+                kv = self.product(xs, el_w["kv"]) + el_w["kv_bias"]
+            return kv[:, : g * D].reshape(-1, g, D), kv[:, g * D :].reshape(-1, g, D)
 
         return attention.attend_el(i, x, q, expand, unexpand, kv_of, g, scale).reshape(T, h * D)
 
@@ -217,9 +230,13 @@ class GPT2Model:
             h, g, D, H = c.num_heads, c.attn_heads_kv, c.attn_head_dim, c.hidden_size
             for layer in self.layers:
                 w, b = layer["qkv"], layer["qkv_bias"]
-                w_out_in = w.t() if self.backend.weight_layout == "in_out" else w  # [(h + 2g)·D, H]
-                part = (lambda a, z: w[:, a:z].contiguous()) if self.backend.weight_layout == "in_out" \
-                    else (lambda a, z: w[a:z].contiguous())
+                if isinstance(w, QuantizedLinear):  # products stay quantized (sliced after); W_K, W_V dense
+                    w_out_in = w.dequantize()
+                    part = (lambda a, z: None)  # noqa: E731
+                else:
+                    w_out_in = w.t() if self.backend.weight_layout == "in_out" else w  # [(h + 2g)·D, H]
+                    part = (lambda a, z, w=w: w[:, a:z].contiguous()) if self.backend.weight_layout == "in_out" \
+                        else (lambda a, z, w=w: w[a:z].contiguous())
                 self._el.append({
                     "q": part(0, h * D), "q_bias": b[: h * D],
                     "kv": part(h * D, (h + 2 * g) * D), "kv_bias": b[h * D :],
