@@ -154,8 +154,24 @@ def test_unsupported_configs_and_tensors_are_refused_by_name(tmp_path_factory):
     with pytest.raises(UnsupportedModelError, match="scale_attn_by_inverse_layer_idx"):
         LLM(str(folder), dtype="float32")
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="quantize"):
-        LLM(str(folder), dtype="float32", quantize="int8")
+    llm = LLM(str(folder), dtype="float32")
+    llm.model.layers[0]["extra"] = None
+    with pytest.raises(UnsupportedModelError, match="does not use"):
+        weights = __import__("forklm.models.hf_loader", fromlist=["x"]).load_hf_weights(folder)
+        weights["transformer.h.0.attn.extra.weight"] = torch.zeros(2, 2)
+        GPT2Model(llm.config, weights, llm.backend)
+
+
+def test_int8_weights_run_close_to_float(tmp_path_factory):
+    _, folder = build(tmp_path_factory, "gpt2", n_layer=2)
+    prompt = prompt_ids(8, 30)
+    want = LLM(str(folder), dtype="float32").sample(prompt, max_tokens=1, temperature=0.0, top_logprobs=5)
+    got = LLM(str(folder), dtype="float32", quantize="int8").sample(prompt, max_tokens=1, temperature=0.0,
+                                                                    top_logprobs=5)
+    assert got.samples[0].token_ids == want.samples[0].token_ids
+    # per-channel int8 of these deliberately large random weights: within a quarter nat of float
+    assert got.samples[0].logprobs[0] == pytest.approx(want.samples[0].logprobs[0], abs=0.25)
+    assert {t for t, _ in got.samples[0].top_logprobs[0][:3]} & {t for t, _ in want.samples[0].top_logprobs[0][:3]}
 
 
 def test_positions_past_the_learned_table_are_refused(tmp_path_factory):
