@@ -75,13 +75,31 @@ def model_report(llm: Any) -> dict[str, Any]:
                          f"({c.kv_bytes_per_token(m.dtype.itemsize)} bytes a token in {m.dtype})",
             "decode stack": "off (DeepSeek layers run one by one)",
         }
+    from forklm.models.gpt2 import GPT2Model
+
+    gpt2 = isinstance(m, GPT2Model)
     groups: Counter = Counter()
     sizes: Counter = Counter()
     for layer in m.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("qkv", "o", "fc", "proj") if gpt2 else ("qkv", "o", "gate_up", "down"):
             key = f"{name}: {_placement(layer[name])}"
             groups[key] += 1
             sizes[key] += _bytes(layer[name])
+    if gpt2:
+        c = m.config
+        el = c.el_cache_config()
+        return {
+            "source": str(llm.source), "architecture": c.architecture, "dtype": str(llm.dtype).replace("torch.", ""),
+            "quantize": llm.quantize, "backend": m.backend.describe(),
+            "fall-backs from the fast path": "; ".join(m.backend.fallbacks) or "none",
+            "layers": {k: f"{v} layers, {sizes[k] / 2**20:.1f} MiB" for k, v in groups.items()},
+            "lm_head": f"{_placement(m.lm_head)} (tied to the token table)",
+            "attention": f"{c.num_heads} heads of {c.head_dim}, {c.num_kv_heads} KV heads, learned positions: K/V "
+                         f"{c.kv_bytes_per_token(m.dtype.itemsize)} bytes a token, or EL-attention "
+                         f"(attention='el') {el.kv_bytes_per_token(m.dtype.itemsize)}",
+            "decode stack": "off (GPT-2 layers run one by one)",
+            "weights resident": f"{m.num_weight_bytes() / 2**20:.1f} MiB",
+        }
     stack = m.prepare_decode_stack()
     report = {
         "source": str(llm.source), "architecture": llm.config.architecture, "dtype": str(llm.dtype).replace("torch.", ""),

@@ -279,3 +279,12 @@ def test_quantized_gguf_runs_its_blocks_as_stored(gguf_pair):
         a, b = got.samples[0], want.samples[0]
         assert a.token_ids[0] == b.token_ids[0]
         assert a.logprobs[0] == pytest.approx(b.logprobs[0], rel=0.05, abs=0.05)
+
+
+def test_info_describes_gpt2_and_its_el_cache(pair):
+    from forklm.info import report
+
+    _, llm = pair
+    doc = report(llm)["model"]
+    assert doc["architecture"] == llm.config.architecture
+    assert "EL-attention" in doc["attention"] and set(doc["layers"]) and doc["decode stack"].startswith("off")
