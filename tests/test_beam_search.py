@@ -282,3 +282,106 @@ def test_cli_beam_width(llm):
     bad = subprocess.run([sys.executable, "-m", "forklm", "sample", "--beam-width", "2", "--beam-groups", "3", CODE],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "num_beam_groups" in bad.stderr
+
+
+# ---------------------------------------------------------------- a tiny random model: edges and a fuzz
+def tiny_engine(**cfg):
+    from conftest import tiny_llama
+    from forklm.engine.engine import Engine, EngineConfig
+
+    model = tiny_llama(29, 64, 4, 2, 16, 96, 2, torch.float32, seed=1, max_positions=1024)
+    decode = cfg.pop("decode", lambda ids: " ".join(map(str, ids)))
+    return Engine(model, decode, (28,), EngineConfig(decode_kernel="torch", **cfg))
+
+
+def test_stop_strings_that_many_tokens_complete_leave_fewer_beams():
+    """A stop string completed by a third of the vocabulary: more than K - k candidates can stop at
+    once, leaving fewer than k running beams (as transformers leaves beams it never picks)."""
+    engine = tiny_engine(num_blocks=256, block_size=4, decode=lambda ids: "".join("x" if t % 3 == 0 else "y" for t in ids))
+    for seed in range(12):
+        prompt = [(seed * 7 + i * 3) % 29 for i in range(5 + seed % 4)]
+        req = engine.add_request(prompt, SamplingOptions(beam_width=3, n=3, max_tokens=12, stop=["x"]).params())
+        engine.run()
+        assert req.error is None and len(req.output.samples) == 3
+        engine.check_integrity()
+
+
+def test_beam_search_beside_a_sample_in_a_tiny_pool_finishes():
+    """Beams waiting for a preempted sibling must be able to preempt younger work (else the pool
+    deadlocks: a beam step needs every beam)."""
+    engine = tiny_engine(num_blocks=7, block_size=4, prefix_cache=True, max_batch_tokens=16)
+    a = engine.add_request([4], SamplingOptions(beam_width=5, n=5, max_tokens=3).params())
+    b = engine.add_request([23, 23, 23, 27, 24, 20, 23, 7, 20],
+                           SamplingOptions(n=1, max_tokens=14, temperature=0.9, seed=38).params())
+    engine.run()
+    assert a.error is None and b.error is None and len(a.output.samples) == 5
+    alone = tiny_engine(num_blocks=512, block_size=4)
+    a2 = alone.add_request([4], SamplingOptions(beam_width=5, n=5, max_tokens=3).params())
+    alone.run()
+    assert [s.token_ids for s in a.output.samples] == [s.token_ids for s in a2.output.samples]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fuzz_beams_and_samples_in_small_pools(seed):
+    """Random mixes of beam searches (diverse ones too) and sampling requests in pools just large
+    enough for the largest: no request stuck, every output what it is alone, every step's
+    bookkeeping whole."""
+    import random
+
+    rng = random.Random(seed)
+    for trial in range(8):
+        specs = []
+        for _ in range(rng.randint(2, 4)):
+            p = [rng.randrange(28) for _ in range(rng.randint(1, 11))]
+            if rng.random() < 0.75:
+                k = rng.randint(2, 6)
+                o = dict(beam_width=k, n=k, max_tokens=rng.randint(3, 14), early_stopping=rng.choice([False, True, "never"]))
+                if k % 2 == 0 and rng.random() < 0.3:
+                    o.update(num_beam_groups=2, diversity_penalty=0.7)
+            else:
+                o = dict(n=rng.randint(1, 4), max_tokens=rng.randint(3, 14), temperature=0.9, seed=rng.randrange(100))
+            specs.append((p, o))
+        bs = rng.choice([1, 2, 4])
+        alone = []
+        for p, o in specs:
+            engine = tiny_engine(num_blocks=512, block_size=bs, prefix_cache=False)
+            r = engine.add_request(p, SamplingOptions(**o).params())
+            engine.run()
+            alone.append([s.token_ids for s in r.output.samples])
+        need = max(-(-len(p) // bs) + max(o.get("beam_width", 0), 1) * -(-(len(p) % bs + o["max_tokens"]) // bs)
+                   for p, o in specs)
+        engine = tiny_engine(num_blocks=need + rng.randint(0, 1), block_size=bs, prefix_cache=rng.random() < 0.5,
+                             max_num_seqs=rng.choice([6, 7, 9, 256]), max_batch_tokens=rng.choice([8, 16, 64, 2048]))
+        reqs = [engine.add_request(p, SamplingOptions(**o).params()) for p, o in specs]
+        steps = 0
+        while engine.has_unfinished():
+            before = engine.metrics.steps
+            engine.step()
+            engine.check_integrity()
+            assert engine.metrics.steps > before, f"trial {trial}: stuck"
+            steps += 1
+            assert steps < 5000
+        for r, want in zip(reqs, alone):
+            assert r.error is None
+            assert [s.token_ids for s in r.output.samples] == want
+        engine.clear_prefix_cache()
+        assert engine.blocks_in_use() == 0
+
+
+def test_a_failing_fork_fails_only_its_request(monkeypatch):
+    engine = tiny_engine(num_blocks=256, block_size=4)
+    real = engine.kv_manager.fork_sequence
+    doomed = engine.add_request([3, 5, 7, 9, 11], SamplingOptions(beam_width=4, n=4, max_tokens=10).params())
+    other = engine.add_request([2, 4, 6], SamplingOptions(n=3, max_tokens=10, temperature=0.9, seed=5).params())
+
+    def fork(parent, state):
+        if parent.request is doomed:
+            raise RuntimeError("injected fork failure")
+        return real(parent, state)
+
+    monkeypatch.setattr(engine.kv_manager, "fork_sequence", fork)
+    engine.run()
+    assert isinstance(doomed.error, RuntimeError) and other.error is None and len(other.output.samples) == 3
+    engine.check_integrity()
+    engine.clear_prefix_cache()
+    assert engine.blocks_in_use() == 0

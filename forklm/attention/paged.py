@@ -597,12 +597,13 @@ class PagedAttention:
         for ch in plan.chunks:
             r0, r1 = ch.row_start, ch.row_start + ch.num_tokens
             # Per prefix token, recomputing its k / v costs 2·Dm·2gD flops; expanding the chunk's queries
-            # instead costs c·h·Dm·2 (scores and sums over Dm-wide rows): the cheaper way for this chunk.
-            if ch.prefix_runs and ch.num_tokens * q.shape[1] < 2 * g * D:
+            # instead costs 2·c·h·Dm for the scores and as much for the sums: the cheaper way for this chunk.
+            if ch.prefix_runs and ch.num_tokens * q.shape[1] < g * D:
                 xc = xs[r0:r1]
                 parts.append(unexpand(self._prefill(layer, expand(q[r0:r1]), xc, xc, ch.prefix_runs, scale)))
                 continue
-            k, v = kv_of(x[r0:r1])
+            x_own = x[r0:r1] if X.dtype == x.dtype else x[r0:r1].to(X.dtype).to(x.dtype)  # as the pool holds it
+            k, v = kv_of(x_own)
             segments = []
             if ch.prefix_runs:
                 kp, vp = kv_of(torch.cat([X[f : f + n] for f, n in ch.prefix_runs]).to(x.dtype))

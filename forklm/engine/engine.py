@@ -185,10 +185,13 @@ class Engine:
             draft_model, draft_tokenizer = load_draft_model(spec.draft_model, model.backend)
             check_same_vocabulary(model, tokenizer if has_tokenizer else None, draft_model, draft_tokenizer)
         self.decode_kernel = model.backend.engine_decode_kernel(cfg.decode_kernel)
-        if cfg.kv_layout == "el" and self.decode_kernel == "cpu" and cfg.decode_kernel == "auto":
+        if cfg.kv_layout == "el" and self.decode_kernel == "cpu":
             from forklm.backend import cpu_attention_error
 
-            if cpu_attention_error(model.dtype, model.device, model.config.hidden_size) is not None:
+            why = cpu_attention_error(model.dtype, model.device, model.config.hidden_size)
+            if why is not None and cfg.decode_kernel == "cpu":
+                raise InvalidArgumentError(f"decode_kernel 'cpu' cannot run EL-attention's hidden-state pool: {why}")
+            if why is not None:
                 self.decode_kernel = "torch"  # the C++ kernel takes head dims that are multiples of 16
         if model.device.type == "cpu":  # the step's other C++ parts built now (once per machine), not on a request
             from forklm.kernels import cpu_sampler
@@ -370,6 +373,7 @@ class Engine:
     def _apply(self, result: StepResult) -> list[RequestState]:
         """Hands the step's outcome to the KV manager and ends finished and failed requests."""
         failed = result.failed
+        cfg = self.config
         for seq in result.rolled_back:  # verified drafts: blocks taken only for rejected tokens go back
             if id(seq.request) in failed or not seq.block_table:
                 continue
@@ -399,8 +403,14 @@ class Engine:
             req = parent.request               # childless parents' release above)
             if id(req) in failed:
                 continue
-            seq = self.kv_manager.fork_sequence(parent, child)
-            if seq is None:  # no block for its copy: computed like a preempted sample when blocks allow
+            seq = None
+            if self.scheduler.num_running < cfg.max_num_seqs:
+                try:
+                    seq = self.kv_manager.fork_sequence(parent, child)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                    failed.setdefault(id(req), (req, exc))
+                    continue
+            if seq is None:  # no block for its copy, or no row: computed like a preempted sample later
                 req.pending.append(child)
                 req.pending.sort(key=lambda st: st.index)
             else:

@@ -184,7 +184,11 @@ class KVManager:
                 return None
             new = got
             src = parent.block_table[full] * bs
-            self._copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
+            try:
+                self._copy_slots(range(src, src + rem), range(new[0] * bs, new[0] * bs + rem))
+            except BaseException:
+                self.pool.decref(new)
+                raise
         shared = parent.block_table[:full]
         self.pool.incref(shared)
         return Sequence(parent.request, parent.tokens[:n] + [state.token_ids[-1]], shared + new, n, state)

@@ -192,6 +192,9 @@ class Scheduler:
                 # a beam whose log-probs are in waits for its siblings (no KV needed until the beam
                 # step); the rest start together or not at all (a beam step needs every beam's row)
                 todo = [st for st in req.pending if st not in req.beam.rows]
+                # its waiting beams hold their slots: make room by preempting younger work, or wait
+                while todo and len(todo) > slots and self._preempt_younger(req, scheduled):
+                    slots = self.config.max_num_seqs - self.num_running
                 if not todo or len(todo) > slots:
                     continue
             fresh = [st for st in todo if len(st.token_ids) == 1][: min(budget, slots)]
@@ -210,8 +213,9 @@ class Scheduler:
                         break
                 seq = self.kv.start_sample(req, st, self.margin())
                 if seq is None:
-                    # A request with nothing running must not wait on younger ones forever.
-                    if not req.running and self._preempt_younger(req, scheduled):
+                    # A request with nothing running must not wait on younger ones forever; nor a beam
+                    # search, whose running beams wait for this one (a beam step needs them all).
+                    if (not req.running or req.beam is not None) and self._preempt_younger(req, scheduled):
                         continue
                     break
                 self._run(req, seq)
@@ -350,8 +354,9 @@ class Scheduler:
         if req.pending:
             bs = self.kv.block_size
             P = len(req.prompt_ids)
-            st = req.pending[0]
-            return -(-(P + len(st.token_ids) + len(st.ahead)) // bs) - P // bs
+            # a beam search needs all its pending beams (a beam step waits for every one)
+            waiting = req.pending if req.beam is not None else req.pending[:1]
+            return sum(-(-(P + len(st.token_ids) + len(st.ahead)) // bs) - P // bs for st in waiting)
         return 0
 
     # ------------------------------------------------------------------ preemption

@@ -102,11 +102,12 @@ class BeamGroup:
         # the running beams of the next step: the k best candidates that did not stop
         running_vals = top_vals + hits.to(torch.float32) * NEG
         nxt = torch.topk(running_vals, k).indices.tolist() if K >= k else list(range(K))
+        # (fewer than k when more than K - k candidates stopped: every one at max_tokens, or stop strings
+        # that many tokens complete; transformers keeps such beams at score -1e9, never to be chosen)
+        nxt = [c for c in nxt if not hit_list[c]]
         children = []
         for j, c in enumerate(nxt):
             st = cands[c]
-            if hit_list[c]:  # (only when every candidate stopped: the search ends now)
-                continue
             st.index = self.first_index + j
             children.append(BeamChild(self.beams[parents[c]], st))
         new_scores = running_vals[nxt]
@@ -133,9 +134,10 @@ class BeamGroup:
         self.scores = new_scores
         gen += 1
         longest = params.max_tokens if params.early_stopping == "never" and params.length_penalty > 0.0 else gen
-        best = new_scores[:1] / (longest ** params.length_penalty)
-        worst = torch.where(self.finished_flags, self.finished_scores.min(), NEG)
-        self.improvable = self.improvable and bool(torch.any(best > worst))
+        if children:  # (none: the search ends below)
+            best = new_scores[:1] / (longest ** params.length_penalty)
+            worst = torch.where(self.finished_flags, self.finished_scores.min(), NEG)
+            self.improvable = self.improvable and bool(torch.any(best > worst))
         all_finished = bool(self.finished_flags.all())
         self.done = (not self.improvable or (all_finished and params.early_stopping is True)
                      or bool(hits.all()) or not children)

@@ -176,7 +176,8 @@ class _Server:
             try:
                 params = SamplingParams(
                     n=body.n if beam else n_samples,
-                    max_tokens=max_tokens if max_tokens is not None else room,
+                    # unset: the context's rest (beam search: at most BEAM_DEFAULT_MAX_TOKENS, its k beams need k tails)
+                    max_tokens=max_tokens if max_tokens is not None else min(room, BEAM_DEFAULT_MAX_TOKENS) if beam else room,
                     min_tokens=body.min_tokens,
                     temperature=1.0 if body.temperature is None or beam else body.temperature,
                     top_p=1.0 if body.top_p is None or beam else body.top_p,
@@ -249,6 +250,9 @@ class _Server:
     def _chat_token(self, token_id: int, lp: float) -> dict:
         return {"token": self.token_text(token_id), "logprob": lp,
                 "bytes": list(self.llm.tokenizer.token_bytes(token_id))}
+
+
+BEAM_DEFAULT_MAX_TOKENS = 256
 
 
 def _argument_error(exc: InvalidArgumentError, prompt_param: str) -> APIError:
