@@ -46,6 +46,23 @@ BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist the build script pins
 DEFAULT_BINARY = REPO_ROOT / ".cache" / "llama.cpp" / f"build-{LLAMA_CPP_PYTHON_VERSION}" / "bin" / "llama-batched-bench"
 IMPL = {False: "llama.cpp", True: "llama.cpp-fa"}  # flash attention off / on
+# ik_llama.cpp (the fork with the iqk CPU kernels): the same llama-batched-bench, run with -rtr (every
+# tensor repacked to its row-interleaved layouts at load); it prints a table, not JSON lines.
+FLAVOR_ENV = "FORKLM_LLAMA_CPP_FLAVOR"
+FLAVORS = ("llama.cpp", "ik_llama.cpp")
+IMPLS = {"llama.cpp": IMPL, "ik_llama.cpp": {False: "ik_llama.cpp", True: "ik_llama.cpp-fa"}}
+PEER_IMPLS = tuple(name for flavor in FLAVORS for name in IMPLS[flavor].values())
+
+
+def flavor_of(binary: Path, environ: dict[str, str] | None = None) -> str:
+    """$FORKLM_LLAMA_CPP_FLAVOR if set, else ik_llama.cpp for a binary under an ik_llama.cpp folder."""
+    environ = os.environ if environ is None else environ
+    named = environ.get(FLAVOR_ENV)
+    if named:
+        if named not in FLAVORS:
+            raise ValueError(f"${FLAVOR_ENV} must be one of {FLAVORS}, got {named!r}")
+        return named
+    return "ik_llama.cpp" if "ik_llama" in str(binary) else "llama.cpp"
 
 
 class LlamaCppNotFound(FileNotFoundError):
@@ -71,8 +88,13 @@ def context_size(m_c: int, ns: list[int], new_tokens: int) -> int:
 
 
 def batched_bench_command(binary: Path, gguf: Path, m_c: int, ns: list[int], new_tokens: int, threads: int,
-                          flash_attn: bool) -> list[str]:
+                          flash_attn: bool, flavor: str = "llama.cpp") -> list[str]:
     """The argument list of one invocation: every n at one m_c, one flash-attention setting."""
+    if flavor == "ik_llama.cpp":  # its KV is one buffer already (no -kvu); -rtr: its repacked layouts
+        return [str(binary), "-m", str(gguf),
+                "-npp", str(m_c), "-ntg", str(new_tokens), "-npl", ",".join(str(n) for n in ns),
+                "-pps", "-fa", "on" if flash_attn else "off", "-t", str(threads), "-tb", str(threads),
+                "-c", str(context_size(m_c, ns, new_tokens)), "-b", "2048", "-ub", "512", "-rtr"]
     return [str(binary), "-m", str(gguf),
             "-npp", str(m_c), "-ntg", str(new_tokens), "-npl", ",".join(str(n) for n in ns),
             "-pps", "-kvu", "-fa", "on" if flash_attn else "off",
@@ -91,7 +113,28 @@ def parse_jsonl(text: str) -> list[dict]:
     return rows
 
 
-_LOAD_TIME = re.compile(r"llama_perf_context_print:\s*load time\s*=\s*([0-9.]+)\s*ms")
+_LOAD_TIME = re.compile(r"(?:llama_perf_context_print|llama_print_timings):\s*load time\s*=\s*([0-9.]+)\s*ms")
+_TABLE_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([0-9.]+)\s*\|" * 6 + "$")
+_TABLE_KEYS = ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")
+_SETTINGS = re.compile(r"n_kv_max = (\d+), n_batch = (\d+), n_ubatch = (\d+), flash_attn = (\d+), is_pp_shared = "
+                       r"(\d+), n_gpu_layers = (-?\d+), n_threads = (\d+), n_threads_batch = (\d+)")
+
+
+def parse_table(text: str) -> list[dict]:
+    """ik_llama.cpp's llama-batched-bench table rows (and its settings line) as the JSON lines' fields."""
+    settings = _SETTINGS.search(text)
+    common = {}
+    if settings:
+        keys = ("n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "n_gpu_layers", "n_threads",
+                "n_threads_batch")
+        common = {k: int(v) for k, v in zip(keys, settings.groups())}
+    rows = []
+    for line in text.splitlines():
+        m = _TABLE_ROW.match(line.strip())
+        if m:
+            vals = [int(v) for v in m.groups()[:4]] + [float(v) for v in m.groups()[4:]]
+            rows.append({**common, **dict(zip(_TABLE_KEYS, vals))})
+    return rows
 LOAD_SOURCE_PERF = ("llama_perf_context_print 'load time' on stderr: model load to the end of the first decode "
                     "(the 16-token warm-up), median over invocations")
 READY_SOURCE = ("log timestamp of the context constructor's 'sched_reserve: reserve took' line (log start ~ "
@@ -184,12 +227,12 @@ def run_measured(args: list[str]) -> Finished:
     return Finished(done.returncode, done.stdout, done.stderr, maxrss, wall)
 
 
-def to_point(raw: dict, command: str) -> dict:
+def to_point(raw: dict, command: str, flavor: str = "llama.cpp") -> dict:
     """One llama-batched-bench result in forklm's row format (same field names where they mean the same)."""
     n, new_tokens = raw["pl"], raw["tg"]
     flash_attn = raw["flash_attn"] == 1  # llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
     return {
-        "m_c": raw["pp"], "n": n, "impl": IMPL[flash_attn],
+        "m_c": raw["pp"], "n": n, "impl": IMPLS[flavor][flash_attn],
         "prefill_s": raw["t_pp"],
         "decode_s": raw["t_tg"],
         "e2e_s": raw["t"],
@@ -206,8 +249,8 @@ def to_point(raw: dict, command: str) -> dict:
     }
 
 
-def skipped_point(m_c: int, n: int, flash_attn: bool, reason: str, command: str) -> dict:
-    return {"m_c": m_c, "n": n, "impl": IMPL[flash_attn], "prefill_s": None, "decode_s": None, "e2e_s": None,
+def skipped_point(m_c: int, n: int, flash_attn: bool, reason: str, command: str, flavor: str = "llama.cpp") -> dict:
+    return {"m_c": m_c, "n": n, "impl": IMPLS[flavor][flash_attn], "prefill_s": None, "decode_s": None, "e2e_s": None,
             "step_ms_median": None, "tokens_per_s": None, "peak_mem_mib": None, "floor_ms": None,
             "floor_naive_ms": None, "floor_fraction": None, "auto_paths": None, "flash_attn": flash_attn,
             "skipped": reason, "command": command}
@@ -244,14 +287,15 @@ def binary_version(binary: Path) -> str:
 class LlamaCppPeer:
     """Runs llama-batched-bench on one GGUF file with a fixed thread count; returns forklm-style rows."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int) -> None:
+    def __init__(self, binary: Path, gguf: Path, threads: int, flavor: str | None = None) -> None:
         self.binary, self.gguf, self.threads = Path(binary), Path(gguf), int(threads)
+        self.flavor = flavor or flavor_of(self.binary)
         self.invocations: list[dict] = []  # per run: m_c, flash_attn, peak RSS, load time, exit code
 
     def run(self, m_c: int, ns: list[int], new_tokens: int, flash_attn: bool) -> list[dict]:
         """One invocation: a row per n, in the order of ns. A failed run or a missing result becomes a skipped row.
         Every row of the invocation carries its peak_rss_mib and load_s (one process ran them all)."""
-        args = batched_bench_command(self.binary, self.gguf, m_c, ns, new_tokens, self.threads, flash_attn)
+        args = batched_bench_command(self.binary, self.gguf, m_c, ns, new_tokens, self.threads, flash_attn, self.flavor)
         command = " ".join(args)
         done = run_measured(args)
         load_s, ready_s = parse_load_time_s(done.stderr), parse_ready_s(done.stderr)
@@ -260,13 +304,14 @@ class LlamaCppPeer:
                                  "wall_s": done.wall_s})
         if done.returncode != 0:
             tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-            return [skipped_point(m_c, n, flash_attn, f"llama-batched-bench exited {done.returncode}: {tail}", command)
-                    for n in ns]
-        by_n = {raw["pl"]: to_point(raw, command) for raw in parse_jsonl(done.stdout)}
+            return [skipped_point(m_c, n, flash_attn, f"llama-batched-bench exited {done.returncode}: {tail}", command,
+                                  self.flavor) for n in ns]
+        raws = parse_table(done.stdout + "\n" + done.stderr) if self.flavor == "ik_llama.cpp" else parse_jsonl(done.stdout)
+        by_n = {raw["pl"]: to_point(raw, command, self.flavor) for raw in raws}
         for row in by_n.values():
             row.update(peak_rss_mib=done.maxrss_mib, load_s=load_s, ready_s=ready_s)
-        return [by_n.get(n) or skipped_point(m_c, n, flash_attn, "no result line from llama-batched-bench", command)
-                for n in ns]
+        return [by_n.get(n) or skipped_point(m_c, n, flash_attn, "no result line from llama-batched-bench", command,
+                                             self.flavor) for n in ns]
 
     def memory_and_load(self) -> dict:
         """Per file: peak RSS (the largest over this peer's invocations, and its m_c) and load time
@@ -274,7 +319,7 @@ class LlamaCppPeer:
         return summarize_invocations(self.invocations, self._timed_tiny_run)
 
     def _timed_tiny_run(self) -> Finished:
-        return run_measured(batched_bench_command(self.binary, self.gguf, 1, [1], 1, self.threads, False))
+        return run_measured(batched_bench_command(self.binary, self.gguf, 1, [1], 1, self.threads, False, self.flavor))
 
     def run_context(self, m_c: int, ns: list[int], new_tokens: int, repeats: int = 1,
                     progress: Any = None) -> list[dict]:
@@ -284,7 +329,7 @@ class LlamaCppPeer:
         for _ in range(repeats):
             for flash_attn in (False, True):
                 if progress is not None:
-                    progress.set_description(f"m_c={m_c} n={','.join(map(str, ns))} {IMPL[flash_attn]}")
+                    progress.set_description(f"m_c={m_c} n={','.join(map(str, ns))} {IMPLS[self.flavor][flash_attn]}")
                 runs[flash_attn].append(self.run(m_c, ns, new_tokens, flash_attn))
                 if progress is not None:
                     progress.update(1)
@@ -309,8 +354,12 @@ class LlamaCppPeer:
             "weights": "as stored in the GGUF file (quantized)",
             "forklm_dtype": forklm_dtype,  # forklm dequantizes the GGUF's tensors to this dtype
             "threads": self.threads,
-            "settings": "-pps (prompt prefilled once, shared), -kvu (unified KV), -fa off (impl llama.cpp) / "
-                        "on (impl llama.cpp-fa); random tokens, no sampling",
+            "flavor": self.flavor,
+            "settings": ("-pps (prompt prefilled once, shared), -rtr (run-time repacking), -fa off (impl "
+                         "ik_llama.cpp) / on (impl ik_llama.cpp-fa); random tokens, no sampling"
+                         if self.flavor == "ik_llama.cpp" else
+                         "-pps (prompt prefilled once, shared), -kvu (unified KV), -fa off (impl llama.cpp) / "
+                         "on (impl llama.cpp-fa); random tokens, no sampling"),
             "timing": "decode loop timed as a whole: step_ms_median = decode_s / new_tokens (a mean), "
                       "tokens_per_s = n * new_tokens / decode_s (new_tokens decode steps of n tokens each); "
                       "prefill_s = the shared prompt's decode",

@@ -268,7 +268,7 @@ def preset_summary(points: list[dict], files: list[dict]) -> str:
         for m_c, n in dict.fromkeys((p["m_c"], p["n"]) for p in rows):
             mine = by.get((m_c, n, ours)) if ours else None
             mine_tps = mine.get("tokens_per_s") if mine and not mine.get("skipped") else None
-            peers = [by.get((m_c, n, i)) for i in ("llama.cpp", "llama.cpp-fa")]
+            peers = [by.get((m_c, n, i)) for i in ("llama.cpp", "llama.cpp-fa", "ik_llama.cpp", "ik_llama.cpp-fa")]
             peers = [r for r in peers if r and not r.get("skipped") and r.get("tokens_per_s")]
             best = max(peers, key=lambda r: r["tokens_per_s"]) if peers else None
             best_cell = f"{best['tokens_per_s']:.1f} ({'on' if best.get('flash_attn') else 'off'})" if best else "-"

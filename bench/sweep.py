@@ -447,7 +447,7 @@ def markdown_table(doc: dict) -> str:
     impls = list(dict.fromkeys(p["impl"] for p in points))
     by_key = {(p["m_c"], p["n"], p["impl"]): p for p in points}
     keys = list(dict.fromkeys((p["m_c"], p["n"]) for p in points))
-    llama_impls = [i for i in impls if i.startswith("llama.cpp")]
+    llama_impls = [i for i in impls if i.startswith(("llama.cpp", "ik_llama.cpp"))]
     head = ["m_c", "n"] + [f"{i} ms / tok/s" for i in impls] + ["floor ms", "standard/bifurcated step",
                                                                  "transformers/auto e2e"]
     head += ["auto/best llama.cpp tok/s"] if llama_impls else []

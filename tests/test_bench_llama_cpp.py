@@ -383,3 +383,30 @@ def test_real_quantizer_makes_the_preset(tmp_path, smollm2_gguf, preset):
     made = presets.make_preset(q, smollm2_gguf, preset, 2, folder=tmp_path)
     info = presets.file_info(Path(made["file"]))
     assert made["made"] and info["tensor_types"][preset]["tensors"] > 100 and info["file_mib"] > 10
+
+
+IK_OUTPUT = """main: n_kv_max = 2304, n_batch = 2048, n_ubatch = 512, flash_attn = 0, is_pp_shared = 1, n_gpu_layers = -1, n_threads = 2, n_threads_batch = 2
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|  1024 |     64 |    1 |   1088 |    2.048 |   500.00 |    0.400 |   160.00 |    2.448 |   444.44 |
+|  1024 |     64 |    8 |   1536 |    2.048 |   500.00 |    1.600 |   320.00 |    3.648 |   421.05 |
+llama_print_timings:        load time =     812.50 ms
+"""
+
+
+def test_ik_llama_cpp_flavor_command_and_table():
+    """ik_llama.cpp's batched-bench: -rtr, no -kvu / JSON lines; its table parsed into the same rows."""
+    from bench.llama_cpp import (batched_bench_command, flavor_of, parse_load_time_s, parse_table,
+                                 to_point)
+
+    binary = Path("/x/ik_llama.cpp/build/bin/llama-batched-bench")
+    assert flavor_of(binary, {}) == "ik_llama.cpp" and flavor_of(Path("/x/llama.cpp/b"), {}) == "llama.cpp"
+    assert flavor_of(Path("/x/b"), {"FORKLM_LLAMA_CPP_FLAVOR": "ik_llama.cpp"}) == "ik_llama.cpp"
+    cmd = batched_bench_command(binary, Path("m.gguf"), 1024, [1, 8], 64, 2, True, "ik_llama.cpp")
+    assert "-rtr" in cmd and "-kvu" not in cmd and "--output-format" not in cmd
+    assert cmd[cmd.index("-fa") + 1] == "on" and "-pps" in cmd
+    rows = [to_point(r, "cmd", "ik_llama.cpp") for r in parse_table(IK_OUTPUT)]
+    assert [(r["m_c"], r["n"], r["impl"]) for r in rows] == [(1024, 1, "ik_llama.cpp"), (1024, 8, "ik_llama.cpp")]
+    assert rows[1]["tokens_per_s"] == pytest.approx(8 * 64 / 1.6) and rows[0]["threads"] == 2
+    assert parse_load_time_s(IK_OUTPUT) == pytest.approx(0.8125)
