@@ -54,14 +54,14 @@ def checkpoint(positions: int) -> Path:
     return FOLDER
 
 
-def prompt(m_c: int) -> list[int]:
-    return torch.randint(3, SHAPE["vocab_size"], (m_c,), generator=torch.Generator().manual_seed(m_c)).tolist()
+def prompt(m_c: int, vocab: int = SHAPE["vocab_size"]) -> list[int]:
+    return torch.randint(3, vocab, (m_c,), generator=torch.Generator().manual_seed(m_c)).tolist()
 
 
 def run_paths(llm, contexts, widths, steps) -> list[dict]:
     rows = []
     for m_c in contexts:
-        ids = prompt(m_c)
+        ids = prompt(m_c, llm.config.vocab_size)
         for path in ("standard", "bifurcated", "el"):
             for k in widths:
                 t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def against_transformers(llm, folder: Path, m_c: int, widths, steps) -> list[dic
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = prompt(m_c)
+    ids = prompt(m_c, llm.config.vocab_size)
     rows = []
     for k in widths:
         llm.clear_prefix_cache()

@@ -56,18 +56,27 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    row = run(checkpoint(), a.context, a.n, a.max_tokens)
+    doc = dict(machine=machine_info(), model=dict(config=CONFIG, weights="random (transformers)"),
+               context=a.context, n=a.n, max_tokens=a.max_tokens, result=row)
+    if a.out:
+        a.out.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {a.out}")
+
+
+def run(folder: Path, context: int, n: int, max_tokens: int) -> dict:
+    """forklm, then transformers, on the checkpoint in `folder`: the result row."""
     from forklm import LLM
     from transformers import AutoModelForCausalLM
 
-    folder = checkpoint()
-    ids = torch.randint(3, CONFIG["vocab_size"], (a.context,), generator=torch.Generator().manual_seed(1)).tolist()
     llm = LLM(str(folder), dtype="float32")
+    ids = torch.randint(3, llm.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     llm.sample(ids[:64], n=2, max_tokens=2, ignore_eos=True)  # warm: kernels, buffers
     llm.clear_prefix_cache()
     t0 = time.perf_counter()
-    out = llm.sample(ids, n=a.n, max_tokens=a.max_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    out = llm.sample(ids, n=n, max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
     ours = time.perf_counter() - t0
-    assert all(len(s.token_ids) == a.max_tokens for s in out.samples)
+    assert all(len(s.token_ids) == max_tokens for s in out.samples)
     row = dict(forklm_s=ours, forklm_prefill_s=out.stats.prefill_s, forklm_median_step_s=out.stats.median_step_s)
     print(json.dumps(row), flush=True)
     del llm
@@ -76,19 +85,15 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     with torch.no_grad():
         g = hf.generate(torch.tensor([ids]), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                        num_return_sequences=a.n, max_new_tokens=a.max_tokens, min_new_tokens=a.max_tokens,
+                        num_return_sequences=n, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                         pad_token_id=2)
     theirs = time.perf_counter() - t0
-    assert g.shape == (a.n, a.context + a.max_tokens)
-    tokens = a.n * a.max_tokens
+    assert g.shape == (n, context + max_tokens)
+    tokens = n * max_tokens
     row.update(transformers_s=theirs, forklm_tok_s=tokens / ours, transformers_tok_s=tokens / theirs,
                ratio=theirs / ours)
     print(json.dumps(row), flush=True)
-    doc = dict(machine=machine_info(), model=dict(config=CONFIG, weights="random (transformers)"),
-               context=a.context, n=a.n, max_tokens=a.max_tokens, result=row)
-    if a.out:
-        a.out.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {a.out}")
+    return row
 
 
 if __name__ == "__main__":

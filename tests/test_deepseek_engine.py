@@ -112,3 +112,12 @@ def test_mla_attention_bench_runs_every_path():
             for path in ("bifurcated", "standard"):
                 assert step_ms(kind, path, kernel, n=3, m_c=64, own=5, reps=1) > 0
     assert largest_n(1000, 10, m_c=20, own=5, shared=True) == 16 and largest_n(1000, 10, 20, 5, shared=False) == 4
+
+
+def test_mla_e2e_bench_runs(tmp_path_factory):
+    """bench/mla_e2e.py's run on a small checkpoint: both engines generate every token."""
+    from bench.mla_e2e import run
+
+    _, folder = engine_folder(tmp_path_factory, "v2-q-group")
+    row = run(folder, context=70, n=3, max_tokens=4)
+    assert row["forklm_s"] > 0 and row["transformers_s"] > 0 and row["ratio"] > 0

@@ -288,3 +288,19 @@ def test_info_describes_gpt2_and_its_el_cache(pair):
     doc = report(llm)["model"]
     assert doc["architecture"] == llm.config.architecture
     assert "EL-attention" in doc["attention"] and set(doc["layers"]) and doc["decode stack"].startswith("off")
+
+
+def test_beam_search_bench_runs_every_part(tmp_path_factory, capsys):
+    """bench/beam_search.py's parts on a small GPT-2 (the paths it times exist and run, the widths add
+    up, transformers' hypotheses are forklm's)."""
+    from bench.beam_search import against_transformers, largest_widths, run_paths
+
+    _, folder = build(tmp_path_factory, "gpt2", n_layer=2)
+    llm = LLM(str(folder), dtype="float32")
+    rows = run_paths(llm, [40], [2, 3], steps=4)
+    assert {(r["path"], r["k"]) for r in rows} == {(p, k) for p in ("standard", "bifurcated", "el") for k in (2, 3)}
+    assert all(r["steps"] == 3 and r["median_step_s"] > 0 for r in rows)
+    (w,) = largest_widths(llm, [40], 4, 2**20)
+    assert w["forklm_el"] > w["forklm_kv"] > w["prompt_per_beam"] > 0
+    (t,) = against_transformers(llm, folder, 24, [2], 4)
+    assert t["same_hypotheses"] and t["ratio"] > 0
