@@ -121,3 +121,20 @@ def test_mla_e2e_bench_runs(tmp_path_factory):
     _, folder = engine_folder(tmp_path_factory, "v2-q-group")
     row = run(folder, context=70, n=3, max_tokens=4)
     assert row["forklm_s"] > 0 and row["transformers_s"] > 0 and row["ratio"] > 0
+
+
+def test_int8_experts_run_quantized_close_to_float(tmp_path_factory):
+    """quantize="int8": the dense layers', attention's and every expert's products quantized (the
+    kernels dense models use), kv_b kept float for the absorbed decode; close to the float model."""
+    from forklm.models.quant import QuantizedLinear
+
+    _, folder = engine_folder(tmp_path_factory, "v3-qlora")
+    prompt = prompt_ids(4, 40)
+    want = LLM(str(folder), dtype="float32").sample(prompt, max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", quantize="int8")
+    moe = llm.model.layers[1]["mlp"]
+    assert all(isinstance(e.gate_up, QuantizedLinear) and isinstance(e.down, QuantizedLinear) for e in moe.experts)
+    got = llm.sample(prompt, n=2, max_tokens=3, temperature=0.0, ignore_eos=True)
+    for s in got.samples:
+        assert s.token_ids[0] == want.samples[0].token_ids[0]
+        assert s.logprobs[0] == pytest.approx(want.samples[0].logprobs[0], abs=0.1)

@@ -392,9 +392,6 @@ class DeepseekModel:
     the multi-token-prediction layers (index >= num_hidden_layers), which plain decoding does not run."""
 
     def __init__(self, config: DeepseekConfig, weights: dict[str, torch.Tensor], backend: Backend) -> None:
-        if backend.quantize is not None:
-            raise UnsupportedModelError(f"quantize={backend.quantize!r} is not supported for {config.architecture} "
-                                        f"yet: DeepSeek models run float weights (quantize=None)")
         self.config, self.backend = config, backend
         backend.for_model(config.latent_dim)  # the decode attention kernel for one latent "KV head" of width Dk
         self.dtype, self.device = backend.dtype, backend.device
