@@ -39,18 +39,15 @@ FOLDER = Path(__file__).resolve().parents[1] / ".cache" / "random-hf" / "gpt2-me
 def checkpoint(positions: int) -> Path:
     """The random GPT-2-medium folder (made once; a WordLevel tokenizer over its vocabulary)."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bench.checkpoints import write_word_tokenizer
 
     if (FOLDER / "config.json").exists() and json.loads((FOLDER / "config.json").read_text())["n_positions"] >= positions:
         return FOLDER
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_positions=positions, bos_token_id=1, eos_token_id=2, **SHAPE)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(FOLDER)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, SHAPE["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(FOLDER / "tokenizer.json"))
-    (FOLDER / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_word_tokenizer(FOLDER, SHAPE["vocab_size"])
     return FOLDER
 
 

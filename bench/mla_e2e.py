@@ -33,19 +33,16 @@ FOLDER = Path(__file__).resolve().parents[1] / ".cache" / "random-hf" / "deepsee
 
 
 def checkpoint() -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    from bench.checkpoints import write_word_tokenizer
 
     if (FOLDER / "config.json").exists():
         return FOLDER
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(DeepseekV2Config(**CONFIG), dtype=torch.float32)
     hf.save_pretrained(FOLDER)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, CONFIG["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(FOLDER / "tokenizer.json"))
-    (FOLDER / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_word_tokenizer(FOLDER, CONFIG["vocab_size"])
     return FOLDER
 
 

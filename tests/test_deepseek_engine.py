@@ -3,7 +3,6 @@ wrote, the latents in the paged pool (one per token and layer, no separate V), a
 the shared prompt's latents read once for all samples and heads (bifurcated) or per sample (standard):
 greedy tokens == transformers', bifurcated == standard, the pool's latents == the model's."""
 
-import json
 
 import pytest
 import torch
@@ -21,15 +20,11 @@ VOCAB = SMALL["vocab_size"]
 def engine_folder(tmp_path_factory, variant: str):
     """The variant's checkpoint folder with a WordLevel tokenizer over its vocabulary (the tests run
     samples to max_tokens: ignore_eos)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from bench.checkpoints import write_word_tokenizer
 
     hf, folder = build(tmp_path_factory, variant)
     if not (folder / "tokenizer.json").exists():
-        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.save(str(folder / "tokenizer.json"))
-        (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+        write_word_tokenizer(folder, VOCAB)
     return hf, folder
 
 

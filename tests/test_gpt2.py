@@ -6,6 +6,8 @@ standard == bifurcated, beam search == transformers' beam search, the pool's byt
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ def build(tmp_path_factory, arch: str, **overrides):
     """A random checkpoint with weights large enough that every token depends on its context,
     and a WordLevel tokenizer over its vocabulary."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bench.checkpoints import write_word_tokenizer
 
     kw = dict(vocab_size=VOCAB, n_positions=512, n_embd=64, n_layer=3, n_head=4, eos_token_id=2, bos_token_id=1)
     kw.update(overrides)
@@ -41,11 +44,7 @@ def build(tmp_path_factory, arch: str, **overrides):
     hf.eval()
     folder = tmp_path_factory.mktemp(arch)
     hf.save_pretrained(folder)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    write_word_tokenizer(folder, kw["vocab_size"])
     return hf, folder
 
 
@@ -53,6 +52,18 @@ def build(tmp_path_factory, arch: str, **overrides):
 def pair(request, tmp_path_factory):
     hf, folder = build(tmp_path_factory, request.param)
     return hf, LLM(str(folder), dtype="float32")
+
+
+def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation, recomputed from the whole sequence each step: (prompt + tokens,
+    each token's log-prob)."""
+    seq, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1].float(), -1)
+            seq.append(int(row.argmax()))
+            lps.append(float(row.max()))
+    return seq, lps
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:
@@ -64,12 +75,7 @@ def test_greedy_tokens_and_logprobs_are_transformers(pair, attention):
     hf, llm = pair
     assert isinstance(llm.model, GPT2Model)
     prompt = prompt_ids(1, 40)  # longer than a block: full shared blocks and a tail
-    seq, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(10):
-            row = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1].float(), -1)
-            seq.append(int(row.argmax()))
-            lps.append(float(row.max()))
+    seq, lps = hf_greedy(hf, prompt, 10)
     out = llm.sample(prompt, n=3, max_tokens=10, temperature=0.0, ignore_eos=True, attention=attention)
     assert len(set(seq[len(prompt):])) > 2  # the checkpoint's tokens depend on the context
     for s in out.samples:
@@ -200,7 +206,8 @@ def test_el_chunked_prefill_and_cache_hits_recompute_prefix_keys(pair):
 
 
 # ---------------------------------------------------------------- GGUF files (llama.cpp's converter)
-CONVERTER = (__import__("pathlib").Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp"
+# llama.cpp's sources, which scripts/build_ggml.sh (run by the set-up) unpacks
+CONVERTER = (Path(os.environ.get("FORKLM_LLAMA_CPP_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp")
              / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")
 SMOLLM2_VOCAB = 49152
 
@@ -225,8 +232,7 @@ def gguf_pair(request, tmp_path_factory, smollm2_gguf):
     from forklm.tokenizer import Tokenizer
     from gguf_files import requantize
 
-    if not CONVERTER.exists():
-        pytest.skip(f"{CONVERTER} not present (scripts/build_ggml.sh unpacks llama.cpp's sources)")
+    assert CONVERTER.exists(), f"{CONVERTER} not present: run scripts/setup.sh (scripts/build_ggml.sh unpacks it)"
     arch = request.param
     hf, folder = build(tmp_path_factory, arch, vocab_size=SMOLLM2_VOCAB, n_positions=256)
     cfg = json.loads((folder / "config.json").read_text())
@@ -247,12 +253,7 @@ def test_gguf_file_is_transformers(gguf_pair):
     llm = LLM(str(f32), dtype="float32")
     assert isinstance(llm.model, GPT2Model) and llm.config.architecture in ARCHS
     prompt = llm.prompt_token_ids("def fibonacci(n):\n    if n < 2:")
-    seq, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(8):
-            row = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1].float(), -1)
-            seq.append(int(row.argmax()))
-            lps.append(float(row.max()))
+    seq, lps = hf_greedy(hf, prompt, 8)
     for attention in ("auto", "el"):
         out = llm.sample(prompt, n=2, max_tokens=8, temperature=0.0, ignore_eos=True, attention=attention)
         for s in out.samples:

@@ -228,18 +228,18 @@ class GPT2Model:
         if not self._el:
             c = self.config
             h, g, D, H = c.num_heads, c.attn_heads_kv, c.attn_head_dim, c.hidden_size
+            in_out = self.backend.weight_layout == "in_out"
             for layer in self.layers:
                 w, b = layer["qkv"], layer["qkv_bias"]
-                if isinstance(w, QuantizedLinear):  # products stay quantized (sliced after); W_K, W_V dense
-                    w_out_in = w.dequantize()
-                    part = (lambda a, z: None)  # noqa: E731
-                else:
-                    w_out_in = w.t() if self.backend.weight_layout == "in_out" else w  # [(h + 2g)·D, H]
-                    part = (lambda a, z, w=w: w[:, a:z].contiguous()) if self.backend.weight_layout == "in_out" \
-                        else (lambda a, z, w=w: w[a:z].contiguous())
+                quantized = isinstance(w, QuantizedLinear)  # its products stay whole (sliced after); W_K, W_V dense
+                w_out_in = w.dequantize() if quantized else (w.t() if in_out else w)  # [(h + 2g)·D, H]
+
+                def rows(a: int, z: int) -> torch.Tensor | None:  # output rows [a, z) as a product's weight
+                    return None if quantized else (w[:, a:z] if in_out else w[a:z]).contiguous()
+
                 self._el.append({
-                    "q": part(0, h * D), "q_bias": b[: h * D],
-                    "kv": part(h * D, (h + 2 * g) * D), "kv_bias": b[h * D :],
+                    "q": rows(0, h * D), "q_bias": b[: h * D],
+                    "kv": rows(h * D, (h + 2 * g) * D), "kv_bias": b[h * D :],
                     "w_k": w_out_in[h * D : (h + g) * D].float().reshape(g, D, H),
                     "w_v": w_out_in[(h + g) * D :].float().reshape(g, D, H),
                     "b_v": b[(h + g) * D :].float().view(g, D),
