@@ -105,6 +105,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": 32768,
         "max_window_layers": 28, "hidden_act": "silu", "initializer_range": 0.02,
     },  # Qwen2 has q/k/v biases (no o_proj bias) by architecture; transformers' Qwen2 builds them
+    # DeepSeek-V2-Lite's published config (width, MLA attention, experts' shape, top-6 of routed experts
+    # + 2 shared, vocabulary, YaRN) with 4 layers (the first dense) and 16 routed experts instead of 27 /
+    # 64, and a q LoRA of rank 1536 (DeepSeek-V2's and V3's; llama.cpp loads a q-LoRA-less deepseek2
+    # file only with a Lite's layer count): 1.0 B parameters
+    "deepseek-v2-lite-4l16e": {
+        "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 16, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy", "routed_scaling_factor": 1.0,
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "rope_theta": 10000.0, "hidden_act": "silu", "initializer_range": 0.02,
+    },
 }
 DEFAULT_PRESETS = ("Q4_K_M", "Q8_0")
 

@@ -50,8 +50,11 @@ def k_quant_type(name: str, k: int) -> str | None:
     return "Q8_0" if big else "Q5_0"
 
 
-def requantize(src: Path, dst: Path, rule: Callable[[str, int], str | None]) -> Path:
-    """Writes `dst`: `src` with every tensor the rule names requantized (from its float values)."""
+def requantize(src: Path, dst: Path, rule: Callable[[str, int], str | None], *, fields: dict | None = None,
+               drop: Callable[[str], bool] = lambda name: False) -> Path:
+    """Writes `dst`: `src` with every tensor the rule names requantized (from its float values; a 3-D
+    stack of experts row by row), metadata `fields` ({key: (value, gguf.GGUFValueType)}) set, the
+    tensors `drop` names left out."""
     import gguf
 
     from forklm.kernels import ggml_gemm
@@ -59,15 +62,20 @@ def requantize(src: Path, dst: Path, rule: Callable[[str, int], str | None]) -> 
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
+    fields = fields or {}
     for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+        if field.name == "general.architecture" or field.name.startswith("GGUF.") or field.name in fields:
             continue
         val_type = field.types[0]
         sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+    for key, (value, vtype) in fields.items():
+        writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape))  # rows, k
-        want = rule(t.name, shape[-1]) if len(shape) == 2 else None
+        if drop(t.name):
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))  # ([experts,] rows, k)
+        want = rule(t.name, shape[-1]) if len(shape) in (2, 3) else None
         if want is None or want == t.tensor_type.name:
             writer.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
             continue
@@ -76,7 +84,8 @@ def requantize(src: Path, dst: Path, rule: Callable[[str, int], str | None]) -> 
         if want in ("F16", "BF16"):
             data = values.to(torch.float16 if want == "F16" else torch.bfloat16).view(torch.uint8)
         else:
-            data = ggml_gemm.quantize(values, want).data
+            data = ggml_gemm.quantize(values.reshape(-1, shape[-1]), want).data
+            data = data.reshape(*shape[:-1], data.shape[-1])
         qtype = gguf.GGMLQuantizationType[want]
         writer.add_tensor(t.name, data.numpy(), raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()

@@ -139,6 +139,12 @@ class GGMLWeights:
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return _dequantize_stored(self.stored_rows(ids), self.type_name, self.k)
 
+    def row_range(self, start: int, stop: int) -> "GGMLWeights":
+        """Stored rows start..stop-1 as a weight of their own (a view: one expert of a stacked tensor)."""
+        if self.row_order is not None:
+            raise ValueError("row_range of a permuted weight")
+        return GGMLWeights(self.data[start:stop], self.type_name, stop - start, self.k, mapped=self.mapped)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.data]
 

@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 import torch
 
-from forklm.backend import Backend
+from forklm.backend import Backend, head_format
 from forklm.errors import ModelFileError, UnsupportedModelError
-from forklm.models.llama import _WeightReader, rms_norm
+from forklm.models.llama import _WeightReader, embed_tokens, rms_norm, token_table
 from forklm.models.moe import MoE, Router, SwiGLU, product_for
 
 ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
@@ -221,6 +221,81 @@ class DeepseekConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         )
 
+    @classmethod
+    def from_gguf_fields(cls, meta: dict[str, Any], infos: dict[str, Any], tokenizer: Any) -> "DeepseekConfig":
+        """The config of a llama.cpp `deepseek2` file, read as llama.cpp reads it: gating by
+        expert_gating_func (absent: softmax, llama.cpp's rule for DeepSeek-V2 files; sigmoid is V3's
+        router with the correction bias exp_probs_b), groups when expert_group_count > 1 (ranked by
+        their top-2 sum under sigmoid, by their best expert under softmax: DeepSeek-V2's own rule, which
+        transformers follows; llama.cpp ranks both by the top-2 sum), the rotary pairs adjacent (ggml's
+        NORM rope), YaRN with mscale = mscale_all_dim (what llama.cpp assumes; the file has only
+        the latter, as rope.scaling.yarn_log_multiplier = 0.1 · mscale_all_dim)."""
+        def get(key: str, default: Any = None, required: bool = False) -> Any:
+            value = meta.get(f"deepseek2.{key}", default)
+            if required and value is None:
+                raise ModelFileError(f"missing metadata key deepseek2.{key!r}")
+            if isinstance(value, list):
+                raise UnsupportedModelError(f"deepseek2.{key} per layer ({value[:4]}...) is not supported")
+            return value
+
+        for key in ("attention.temperature_scale", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
+                    "rope.scaling.attn_factor"):
+            if get(key) not in (None, 1, 1.0):
+                raise UnsupportedModelError(f"deepseek2.{key}={get(key)} is not supported")
+        gating = get("expert_gating_func")
+        if gating not in (None, 1, 2):
+            raise UnsupportedModelError(f"deepseek2.expert_gating_func={gating} is not supported "
+                                        f"(1 softmax, 2 sigmoid)")
+        sigmoid = gating == 2
+        n_group, topk_group = int(get("expert_group_count") or 1), int(get("expert_group_used_count") or 1)
+        experts = int(get("expert_count", required=True))
+        if experts % n_group or not 0 < topk_group <= n_group or (sigmoid and experts // n_group < 2):
+            raise ModelFileError(f"deepseek2.expert_group_count {n_group} / expert_group_used_count {topk_group} do "
+                                 f"not fit {experts} experts")
+        layers, heads = int(get("block_count", required=True)), int(get("attention.head_count", required=True))
+        r, dr = int(get("attention.kv_lora_rank", required=True)), int(get("rope.dimension_count", required=True))
+        if get("attention.key_length_mla") is not None:  # files since llama.cpp's MLA cache (2025)
+            dk, dv = int(get("attention.key_length_mla")), int(get("attention.value_length_mla", required=True))
+        else:  # older files: the per-head lengths in key_length / value_length
+            dk, dv = int(get("attention.key_length", required=True)), int(get("attention.value_length", required=True))
+        q_lora = get("attention.q_lora_rank")
+        embd = infos.get("token_embd.weight")
+        vocab = int(get("vocab_size") or (embd.shape[-1] if embd is not None else len(meta["tokenizer.ggml.tokens"])))
+        ctx = int(get("context_length", 4096))
+        theta = float(get("rope.freq_base", 10000.0))
+        scaling = get("rope.scaling.type", "none")
+        if scaling == "yarn":
+            log_mul = get("rope.scaling.yarn_log_multiplier")
+            mscale_all = None if not log_mul else float(log_mul) / 0.1
+            rope = DeepseekRope(theta=theta, rope_type="yarn", factor=float(get("rope.scaling.factor", required=True)),
+                                original_max_position_embeddings=int(get("rope.scaling.original_context_length", ctx)),
+                                beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                                beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                                mscale=mscale_all, mscale_all_dim=mscale_all)
+        elif scaling == "none":
+            rope = DeepseekRope(theta=theta)
+        else:
+            raise UnsupportedModelError(f"deepseek2.rope.scaling.type {scaling!r} is not supported (none, yarn)")
+        if dk <= dr:
+            raise ModelFileError(f"key length {dk} leaves no non-rotary dims beside {dr} rotary ones")
+        return cls(
+            architecture="deepseek_v3" if sigmoid else "deepseek_v2", vocab_size=vocab,
+            hidden_size=int(get("embedding_length", required=True)),
+            intermediate_size=int(get("feed_forward_length", required=True)), num_layers=layers, num_heads=heads,
+            q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=r, qk_nope_head_dim=dk - dr,
+            qk_rope_head_dim=dr, v_head_dim=dv, first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+            n_routed_experts=experts, n_shared_experts=int(get("expert_shared_count", required=True)),
+            num_experts_per_tok=int(get("expert_used_count", required=True)),
+            moe_intermediate_size=int(get("expert_feed_forward_length", required=True)),
+            topk_method="noaux_tc" if sigmoid else ("group_limited_greedy" if n_group > 1 else "greedy"),
+            n_group=n_group, topk_group=topk_group, scoring_func="sigmoid" if sigmoid else "softmax",
+            norm_topk_prob=bool(get("expert_weights_norm", False)),
+            routed_scaling_factor=float(get("expert_weights_scale") or 1.0), rope=rope, rope_layout="interleave",
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            tie_word_embeddings="output.weight" not in infos, max_position_embeddings=ctx,
+            bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+        )
+
 
 def _refuse_unsupported(cfg: dict[str, Any], arch: str, source: str) -> None:
     """An UnsupportedModelError naming the first key whose value this model does not implement."""
@@ -402,17 +477,18 @@ class DeepseekModel:
         for n in mtp:
             del weights[n]
         reader = _WeightReader(weights, backend)
-        self.embed = reader.take("model.embed_tokens.weight")  # [V, H]
-        if tuple(self.embed.shape) != (config.vocab_size, config.hidden_size):
-            raise ModelFileError(f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, config says "
-                                 f"{(config.vocab_size, config.hidden_size)}")
+        tied = not ("lm_head.weight" in weights and not config.tie_word_embeddings)
+        self.embed, self._embed_rows, tied_head = token_table(reader, (config.vocab_size, config.hidden_size), tied)
         self.layers = [self._build_layer(reader, i) for i in range(config.num_layers)]
         self.norm = reader.take("model.norm.weight")
-        if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            self.lm_head = reader.matrix("lm_head.weight")  # [H, V] ("in_out")
+        if not tied:
+            self.lm_head = reader.matrix("lm_head.weight", how=head_format(backend.quantize))  # [H, V] ("in_out")
         else:
             weights.pop("lm_head.weight", None)
-            self.lm_head = reader.transposed(self.embed) if backend.weight_layout == "in_out" else self.embed
+            if tied_head is not None and not isinstance(tied_head, torch.Tensor):
+                self.lm_head = tied_head
+            else:
+                self.lm_head = reader.transposed(self.embed) if backend.weight_layout == "in_out" else self.embed
         self.rotary = Rotary(config.rope, config.qk_rope_head_dim, config.rope_layout, self.device)
         unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))
         if unused:
@@ -457,7 +533,7 @@ class DeepseekModel:
         logits_rows: torch.Tensor | None = None,  # which of the T rows need logits; None: all
     ) -> torch.Tensor:  # [len(logits_rows) or T, V] float32
         eps = self.config.rms_norm_eps
-        x = self.embed[input_ids]  # [T, H]
+        x = embed_tokens(self.embed, self._embed_rows, input_ids, self.dtype)  # [T, H]
         tables = self.rotary.tables(positions, self.dtype)
         for i, layer in enumerate(self.layers):
             x = x + layer["attn"](rms_norm(x, layer["attn_norm"], eps), i, self.rotary, tables, attention)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from forklm.errors import ModelFileError, UnsupportedModelError
 from forklm.models.gguf_file import GGMLType
 from forklm.tokenizer import Tokenizer
 
-_ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder")
+_ARCHITECTURES = ("llama", "qwen2", "gpt2", "starcoder", "deepseek2")
 _GPT2_FAMILY = {"gpt2": "gpt2", "starcoder": "gpt_bigcode"}  # GGUF architecture -> models/gpt2.py's
 
 _GLOBAL_NAMES = {
@@ -79,6 +80,8 @@ def load_gguf(path: str | Path, keep_quantized: bool = False) -> tuple[ModelConf
     except (ModelFileError, UnsupportedModelError) as e:
         raise type(e)(f"{path}: {e}") from None
     infos = {t.name: t for t in tensors}
+    if arch == "deepseek2":
+        return _load_deepseek(meta, infos, tokenizer, path, keep_quantized)
     gpt2 = arch in _GPT2_FAMILY
     config = _gpt2_config_of(meta, arch, infos, tokenizer, path) if gpt2 else _config_of(meta, arch, infos, tokenizer, path)
 
@@ -321,4 +324,123 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             want[p + "self_attn.o_proj.bias"] = (h,)
         if c.mlp_bias:
             want.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
+    return want
+
+
+# DeepSeek-V2 / V3 files (llama.cpp's `deepseek2`): HF names of the per-layer tensors; the experts
+# (ffn_*_exps, [E, rows, k]) split per expert, attn_k_b / attn_v_b joined back into kv_b_proj.
+_DEEPSEEK_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight", "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+_DEEPSEEK_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                     "ffn_down_exps.weight": "down_proj"}
+# read as float32 whatever their type: routing and the absorbed decode's W_UK / W_UV run in float32
+_DEEPSEEK_FLOAT = ("ffn_gate_inp.weight", "exp_probs_b.bias", "attn_kv_b.weight", "attn_k_b.weight",
+                   "attn_v_b.weight")
+
+
+def _load_deepseek(meta: dict[str, Any], infos: dict[str, Any], tokenizer: Tokenizer, path: Path,
+                   keep_quantized: bool):
+    """(DeepseekConfig, weights under Hugging Face names, tokenizer) of a `deepseek2` file: each routed
+    expert's matrices are row ranges of the file's stacked [E, rows, k] tensors (views of the mapped
+    file, kept as stored where keep_quantized), the multi-token-prediction layers skipped."""
+    from forklm.models.deepseek import DeepseekConfig
+
+    try:
+        config = DeepseekConfig.from_gguf_fields(meta, infos, tokenizer)
+        config = dataclasses.replace(config, dtype=_FILE_DTYPES.get(meta.get("general.file_type")))
+    except (ModelFileError, UnsupportedModelError) as e:
+        raise type(e)(f"{path}: {e}") from None
+    expected = _deepseek_expected_shapes(config, "blk.0.attn_kv_b.weight" in infos)
+    weights: dict[str, Any] = {}
+    seen: set[str] = set()
+    for name, info in infos.items():
+        shape = tuple(int(d) for d in reversed(info.shape))
+        m = _LAYER_RE.fullmatch(name)
+        if m and int(m[1]) >= config.num_layers:
+            continue  # multi-token prediction (nextn) layers: plain decoding does not run them
+        if m and m[2] in ("attn_k_b.weight", "attn_v_b.weight"):
+            hf_name = f"model.layers.{int(m[1])}.self_attn.{m[2][5]}_b"
+        elif m and m[2] in _DEEPSEEK_EXPERTS:
+            hf_name = f"model.layers.{int(m[1])}.mlp.experts.{_DEEPSEEK_EXPERTS[m[2]]}"
+        elif m and m[2] in _DEEPSEEK_LAYER_NAMES:
+            hf_name = f"model.layers.{int(m[1])}.{_DEEPSEEK_LAYER_NAMES[m[2]]}"
+        else:
+            hf_name = _GLOBAL_NAMES.get(name)
+        if hf_name not in expected:
+            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for this deepseek2 model "
+                                        f"(q_lora_rank={config.q_lora_rank}, scoring {config.scoring_func}, "
+                                        f"{config.first_k_dense_replace} dense layers)")
+        if shape != expected[hf_name]:
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {shape}, expected {expected[hf_name]}")
+        seen.add(hf_name)
+        as_float = not keep_quantized or (m is not None and m[2] in _DEEPSEEK_FLOAT)
+        if m and m[2] in _DEEPSEEK_EXPERTS:  # [E, rows, k] -> E matrices [rows, k], row ranges of one view
+            E, rows, k = shape
+            flat = dataclasses.replace(info, shape=(k, E * rows), data=info.data.reshape(E * rows, -1))
+            w = None if as_float else _blocks(flat, (E * rows, k))
+            w = _dequantize(flat, path) if w is None else w
+            pre = hf_name[: -len(_DEEPSEEK_EXPERTS[m[2]])]
+            for e in range(E):
+                part = w[e * rows : (e + 1) * rows] if isinstance(w, torch.Tensor) else w.row_range(e * rows, (e + 1) * rows)
+                weights[f"{pre}{e}.{_DEEPSEEK_EXPERTS[m[2]]}.weight"] = part
+            continue
+        w = None if as_float else _blocks(info, shape)
+        weights[hf_name] = _dequantize(info, path) if w is None else w
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFileError(f"{path}: missing tensor for {missing[0]}{more}")
+    for i in range(config.num_layers):  # W_UK [h, r, dn] and W_UV [h, dv, r] joined back into kv_b_proj
+        pre = f"model.layers.{i}.self_attn."
+        if pre + "k_b" in weights:
+            kb, vb = weights.pop(pre + "k_b"), weights.pop(pre + "v_b")
+            weights[pre + "kv_b_proj.weight"] = torch.cat([kb.transpose(1, 2), vb], dim=1).reshape(-1, kb.shape[1])
+    return config, weights, tokenizer
+
+
+def _deepseek_expected_shapes(c, kv_b_joined: bool) -> dict[str, tuple[int, ...]]:
+    """Every tensor a deepseek2 file of this config holds, by HF name (experts: their stacked shape)."""
+    H, h, r, dr = c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    dn, dv, E, I = c.qk_nope_head_dim, c.v_head_dim, c.n_routed_experts, c.moe_intermediate_size
+    want = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
+    if not c.tie_word_embeddings:
+        want["lm_head.weight"] = (c.vocab_size, H)
+    for i in range(c.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        want.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                     a + "kv_a_proj_with_mqa.weight": (r + dr, H), a + "kv_a_layernorm.weight": (r,),
+                     a + "o_proj.weight": (H, h * dv)})
+        if c.q_lora_rank is None:
+            want[a + "q_proj.weight"] = (h * (dn + dr), H)
+        else:
+            want.update({a + "q_a_proj.weight": (c.q_lora_rank, H), a + "q_a_layernorm.weight": (c.q_lora_rank,),
+                         a + "q_b_proj.weight": (h * (dn + dr), c.q_lora_rank)})
+        if kv_b_joined:
+            want[a + "kv_b_proj.weight"] = (h * (dn + dv), r)
+        else:
+            want.update({a + "k_b": (h, r, dn), a + "v_b": (h, dv, r)})
+        if not c.is_moe_layer(i):
+            want.update({p + "mlp.gate_proj.weight": (c.intermediate_size, H),
+                         p + "mlp.up_proj.weight": (c.intermediate_size, H),
+                         p + "mlp.down_proj.weight": (H, c.intermediate_size)})
+            continue
+        S = I * c.n_shared_experts
+        want.update({p + "mlp.gate.weight": (E, H), p + "mlp.experts.gate_proj": (E, I, H),
+                     p + "mlp.experts.up_proj": (E, I, H), p + "mlp.experts.down_proj": (E, H, I),
+                     p + "mlp.shared_experts.gate_proj.weight": (S, H), p + "mlp.shared_experts.up_proj.weight": (S, H),
+                     p + "mlp.shared_experts.down_proj.weight": (H, S)})
+        if c.scoring_func == "sigmoid":
+            want[p + "mlp.gate.e_score_correction_bias"] = (E,)
     return want

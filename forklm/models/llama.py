@@ -126,6 +126,37 @@ class _WeightReader:
         return w if isinstance(w, QuantizedLinear) else self.transposed(w)
 
 
+def token_table(reader: _WeightReader, shape: tuple[int, int], tied: bool):
+    """(embed, embed_rows, tied_head) of model.embed_tokens.weight [V, H]: the table dense (`embed`), or
+    `embed_rows` (ids -> float32 rows) over a table kept quantized; tied_head: the LM head's quantized
+    weights where the head is tied to the table (its rows are then looked up in them, exactly)."""
+    backend, quantize = reader.backend, reader.backend.quantize
+    embed = embed_rows = tied_head = None
+    if quantize is not None and tied:
+        tied_head = build_matrix([reader.raw("model.embed_tokens.weight")], head_format(quantize), backend)
+        if isinstance(tied_head, QuantizedLinear) and tied_head.dense is None:
+            embed_rows = tied_head.dequantize_rows
+        else:
+            embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
+            if isinstance(tied_head, BlockLinear) and embed.dtype != backend.dtype:
+                embed_rows = tied_head.dequantize_rows  # a bfloat16 dense copy: look up exact rows
+        embed_shape = tuple(tied_head.shape)
+    elif quantize == "gguf" and isinstance(reader.weights.get("model.embed_tokens.weight"), GGMLWeights):
+        table = reader.raw("model.embed_tokens.weight")  # kept as stored; rows dequantized on lookup
+        embed_rows, embed_shape = table.dequantize_rows, table.shape
+    else:
+        embed = reader.take("model.embed_tokens.weight")  # [V, H]
+        embed_shape = tuple(embed.shape)
+    if tuple(embed_shape) != tuple(shape):
+        raise ModelFileError(f"model.embed_tokens.weight has shape {tuple(embed_shape)}, config says {tuple(shape)}")
+    return embed, embed_rows, tied_head
+
+
+def embed_tokens(embed: torch.Tensor | None, embed_rows, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows [T, H] of `ids` from a `token_table`."""
+    return embed[ids] if embed_rows is None else embed_rows(ids).to(dtype)
+
+
 class LlamaModel:
     """Weights plus a forward pass; fused q/k/v and gate/up projections (one GEMM each).
 
@@ -181,33 +212,9 @@ class LlamaModel:
             )
 
     def _build_embedding(self, reader: _WeightReader, tied: bool):
-        """The token table: dense `embed` [V, H], or `_embed_rows` (ids -> float32 rows) over a table kept
-        quantized. Returns the tied LM head's quantized weights, where the head is the table's."""
-        c, quantize = self.config, self.quantize
-        tied_head = None
-        self._embed_rows = None  # ids -> float32 rows, where the table is not a dense `embed`
-        self.embed: torch.Tensor | None = None  # [V, H], when the table is held dense
-        if quantize is not None and tied:
-            # the table is the quantized head's weights: rows looked up in them (exact), or its dense copy
-            tied_head = build_matrix([reader.raw("model.embed_tokens.weight")], head_format(quantize), self.backend)
-            if isinstance(tied_head, QuantizedLinear) and tied_head.dense is None:
-                self._embed_rows = tied_head.dequantize_rows
-            else:
-                self.embed = tied_head.dense if isinstance(tied_head, QuantizedLinear) else tied_head
-                if isinstance(tied_head, BlockLinear) and self.embed.dtype != self.dtype:
-                    self._embed_rows = tied_head.dequantize_rows  # a bfloat16 dense copy: look up exact rows
-            embed_shape = tuple(tied_head.shape)
-        elif quantize == "gguf" and isinstance(reader.weights.get("model.embed_tokens.weight"), GGMLWeights):
-            table = reader.raw("model.embed_tokens.weight")  # kept as stored; rows dequantized on lookup
-            self._embed_rows = table.dequantize_rows
-            embed_shape = table.shape
-        else:
-            self.embed = reader.take("model.embed_tokens.weight")  # [V, H]
-            embed_shape = tuple(self.embed.shape)
-        if embed_shape != (c.vocab_size, c.hidden_size):
-            raise ModelFileError(
-                f"model.embed_tokens.weight has shape {embed_shape}, config says {(c.vocab_size, c.hidden_size)}"
-            )
+        """The token table (`token_table`); returns the tied LM head's quantized weights, or None."""
+        c = self.config
+        self.embed, self._embed_rows, tied_head = token_table(reader, (c.vocab_size, c.hidden_size), tied)
         return tied_head
 
     def _build_layer(self, reader: _WeightReader, i: int) -> dict[str, torch.Tensor | None]:
@@ -347,7 +354,7 @@ class LlamaModel:
         logits_rows: torch.Tensor | None = None,  # which of the T rows need logits; None: all
     ) -> torch.Tensor:  # [len(logits_rows) or T, V] float32
         T = input_ids.shape[0]
-        x = self.embed[input_ids] if self._embed_rows is None else self._embed_rows(input_ids).to(self.dtype)  # [T, H]
+        x = embed_tokens(self.embed, self._embed_rows, input_ids, self.dtype)  # [T, H]
         cos, sin = self._rope(positions)
         # a decode step on the CPU kernel: rotary, K/V write and attention in one call per layer
         fused = getattr(attention, "fuses_rope", False) and x.dtype == torch.float32

@@ -1,0 +1,201 @@
+"""DeepSeek-V2/V3 GGUF files (llama.cpp's `deepseek2`): random-weight checkpoints written by
+transformers, converted by llama.cpp's own convert_hf_to_gguf.py (which stacks the routed experts
+into [E, rows, k] tensors and splits kv_b_proj into attn_k_b / attn_v_b), then requantized to block
+types. The float file gives transformers' logits and greedy tokens; the quantized file runs its
+experts and projections on the block kernel as stored (no dense copies), close to its own
+dequantized values; what the file cannot say is refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
+from forklm import LLM
+from forklm.errors import ModelFileError, UnsupportedModelError
+from forklm.models.deepseek import DeepseekModel
+from forklm.models.quant import BlockLinear
+
+from conftest import rel_err
+from gguf_files import requantize
+from test_deepseek import DenseLatentAttention
+from test_gpt2 import CONVERTER, SMOLLM2_VOCAB
+
+TOL = 1e-4
+# block-type-friendly widths (every in_features a multiple of 32), SmolLM2's vocabulary (a tokenizer
+# the converter knows)
+SHAPE = dict(vocab_size=SMOLLM2_VOCAB, hidden_size=96, intermediate_size=128, moe_intermediate_size=64,
+             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1,
+             kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8,
+             n_shared_experts=1, max_position_embeddings=512)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}  # as DeepSeek-V2-Lite's
+VARIANTS = {
+    # V2: softmax, group-limited (groups ranked by their best expert), q straight from the hidden state, tied
+    "v2-group": (DeepseekV2Config, dict(q_lora_rank=None, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                                        n_group=4, topk_group=2, tie_word_embeddings=True,
+                                        routed_scaling_factor=1.5)),
+    # V3: sigmoid + correction bias, groups by their top-2 sum, q LoRA, YaRN; scoring_func written into
+    # config.json as DeepSeek's own configs carry it (the converter reads it; transformers drops it)
+    "v3-yarn": (DeepseekV3Config, dict(q_lora_rank=64, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                       rope_parameters=dict(YARN))),
+}
+_cache: dict = {}
+
+
+def mixed_types(name: str, k: int) -> str | None:
+    """Attention Q8_0 / Q5_0, the dense MLP Q4_1, routed experts Q4_0 (down Q5_1), shared Q8_0."""
+    if name in ("token_embd.weight", "output.weight"):
+        return "Q8_0"
+    part = name.split(".")[2] if name.startswith("blk.") else ""
+    return {"attn_q": "Q8_0", "attn_q_a": "Q5_0", "attn_q_b": "Q8_0", "attn_kv_a_mqa": "Q8_0",
+            "attn_output": "Q5_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_1",
+            "ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q5_1",
+            "ffn_gate_shexp": "Q8_0", "ffn_up_shexp": "Q8_0", "ffn_down_shexp": "Q8_0"}.get(part)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def files(request, tmp_path_factory, smollm2_gguf):
+    """(variant, transformers' model, the converted float32 file, the same requantized to block types)."""
+    from forklm.models.gguf_file import read_gguf
+    from forklm.tokenizer import Tokenizer
+
+    assert CONVERTER.exists(), f"{CONVERTER} not present: run scripts/setup.sh (scripts/build_ggml.sh unpacks it)"
+    variant = request.param
+    config_cls, kw = VARIANTS[variant]
+    torch.manual_seed(0)
+    cfg = config_cls(**{**SHAPE, **kw})
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
+    folder = tmp_path_factory.mktemp(variant)
+    hf.save_pretrained(folder)
+    if variant.startswith("v3"):
+        written = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**written, "scoring_func": "sigmoid"}))
+    meta, _ = read_gguf(smollm2_gguf)
+    Tokenizer.from_gguf_fields(meta)._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "GPT2Tokenizer"}))
+    f32 = folder / f"{variant}-f32.gguf"
+    r = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outfile", str(f32), "--outtype", "f32"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return variant, hf, f32, requantize(f32, folder / f"{variant}-mixed.gguf", mixed_types)
+
+
+def test_converted_file_is_the_checkpoint(files):
+    """The file's layout as llama.cpp writes it (stacked experts, k_b / v_b), its config as transformers'."""
+    from forklm.models.gguf_file import read_gguf
+
+    variant, hf, f32, _ = files
+    meta, tensors = read_gguf(f32)
+    names = {t.name for t in tensors}
+    assert meta["general.architecture"] == "deepseek2"
+    assert {"blk.1.ffn_gate_exps.weight", "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"} <= names
+    c = LLM(str(f32), dtype="float32").config
+    want = hf.config
+    assert (c.architecture, c.num_layers, c.q_lora_rank, c.kv_lora_rank) == (
+        want.model_type, want.num_hidden_layers, want.q_lora_rank, want.kv_lora_rank)
+    assert (c.n_group, c.topk_group, c.num_experts_per_tok, c.routed_scaling_factor) == (
+        want.n_group, want.topk_group, want.num_experts_per_tok, want.routed_scaling_factor)
+    assert c.scoring_func == ("sigmoid" if variant.startswith("v3") else "softmax")
+    assert c.rope.rope_type == ("yarn" if "yarn" in variant else "default")
+
+
+def test_float_file_logits_match_transformers(files):
+    """Prefill and one-token decode logits of the float32 file == transformers' (float32 rounding)."""
+    _, hf, f32, _ = files
+    model = LLM(str(f32), dtype="float32").model
+    assert isinstance(model, DeepseekModel)
+    ids = torch.randint(0, SMOLLM2_VOCAB, (17,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    attention = DenseLatentAttention()
+    prefill = model.forward(ids[:12], torch.arange(12), attention)
+    decode = torch.cat([model.forward(ids[t : t + 1], torch.tensor([t]), attention) for t in range(12, 17)])
+    assert rel_err(prefill, ref[:12]) < TOL and rel_err(decode, ref[12:]) < TOL
+    assert ref.std() > 0.3
+
+
+def test_float_file_greedy_on_the_engine(files):
+    """The engine (latent pool, absorbed decode, the prompt shared by 3 samples) == transformers' greedy."""
+    _, hf, f32, _ = files
+    llm = LLM(str(f32), dtype="float32")
+    prompt = torch.randint(3, SMOLLM2_VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    out = llm.sample(prompt, n=3, max_tokens=8, temperature=0.0, ignore_eos=True)
+    for s in out.samples:
+        assert s.token_ids == seq[len(prompt):]
+
+
+def test_quantized_file_runs_as_stored(files):
+    """Every expert, the shared experts, the dense MLP and the attention's projections on the block
+    kernel over the file's blocks (no dense copy); logits those of the dequantized file (the float
+    path, quantize=None) within the kernel's activation rounding."""
+    _, _, _, mixed = files
+    fast = LLM(str(mixed), dtype="float32")
+    assert fast.quantize == "gguf"
+    model = fast.model
+    for i, layer in enumerate(model.layers):
+        mats = [layer["attn"].q_kv_a, layer["attn"].o]
+        mats += ([layer["mlp"].gate_up, layer["mlp"].down] if i == 0 else
+                 [m for e in layer["mlp"].experts + [layer["mlp"].shared] for m in (e.gate_up, e.down)])
+        for w in mats:
+            assert isinstance(w, BlockLinear) and w.dense is None
+    assert isinstance(model.lm_head, BlockLinear) and model.lm_head.dense is None
+    assert model.embed is None  # rows looked up in the stored table
+    dense = LLM(str(mixed), dtype="float32", quantize=None).model
+    ids = torch.randint(0, SMOLLM2_VOCAB, (14,), generator=torch.Generator().manual_seed(5))
+    a = model.forward(ids, torch.arange(14), DenseLatentAttention())
+    b = dense.forward(ids, torch.arange(14), DenseLatentAttention())
+    assert rel_err(a, b) < 0.05  # activations rounded to 8 bits per block by the kernel (2-3% here)
+
+
+def test_quantized_file_bifurcated_equals_standard(files):
+    """Seeded samples from the quantized file: the shared prompt's latents read once for all samples
+    or per sample, the same tokens; and a sample does not depend on how many are drawn."""
+    _, _, _, mixed = files
+    llm = LLM(str(mixed), dtype="float32")
+    prompt = torch.randint(3, SMOLLM2_VOCAB, (50,), generator=torch.Generator().manual_seed(6)).tolist()
+    req = dict(prompt=prompt, n=6, max_tokens=8, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    a, = llm.generate([req], shared_attention="bifurcated")
+    b, = llm.generate([req], shared_attention="standard")
+    c, = llm.generate([{**req, "n": 2}], shared_attention="bifurcated")
+    assert a.stats.path_steps.get("bifurcated", 0) > 0
+    for x, y in zip(a.samples, b.samples):
+        assert x.token_ids == y.token_ids
+        assert rel_err(torch.tensor(x.logprobs), torch.tensor(y.logprobs)) < 1e-4
+    assert [s.token_ids for s in c.samples] == [s.token_ids for s in a.samples[:2]]
+
+
+def test_what_the_file_cannot_say_is_refused(files, tmp_path):
+    _, _, f32, _ = files
+    keep = lambda name, k: None  # noqa: E731
+    gating = requantize(f32, tmp_path / "gating.gguf", keep,
+                        fields={"deepseek2.expert_gating_func": (3, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(UnsupportedModelError, match="expert_gating_func=3"):
+        LLM(str(gating))
+    missing = requantize(f32, tmp_path / "missing.gguf", keep, drop=lambda n: n == "blk.2.ffn_up_exps.weight")
+    with pytest.raises(ModelFileError, match="missing tensor for model.layers.2.mlp.experts.up_proj"):
+        LLM(str(missing))
+    groups = requantize(f32, tmp_path / "groups.gguf", keep,
+                        fields={"deepseek2.expert_group_count": (3, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(ModelFileError, match="expert_group_count 3"):
+        LLM(str(groups))
+    scaling = requantize(f32, tmp_path / "scaling.gguf", keep,
+                         fields={"deepseek2.rope.scaling.type": ("longrope", gguf.GGUFValueType.STRING)})
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        LLM(str(scaling))
