@@ -66,6 +66,11 @@ def model_report(llm: Any) -> dict[str, Any]:
     m = llm.model
     if isinstance(m, DeepseekModel):
         c = m.config
+        groups, sizes = Counter(), Counter()
+        for name, w in m.named_matrices():
+            key = f"{name}: {_placement(w)}"
+            groups[key] += 1
+            sizes[key] += _bytes(w)
         return {
             "source": str(llm.source), "architecture": c.architecture, "dtype": str(llm.dtype).replace("torch.", ""),
             "quantize": llm.quantize, "backend": m.backend.describe(),
@@ -73,7 +78,12 @@ def model_report(llm: Any) -> dict[str, Any]:
             "attention": f"multi-head latent, absorbed: {c.num_heads} query heads over one cached latent of "
                          f"{c.kv_lora_rank} + {c.qk_rope_head_dim} per token and layer "
                          f"({c.kv_bytes_per_token(m.dtype.itemsize)} bytes a token in {m.dtype})",
+            "layers": {k: f"{n} {'experts' if k.startswith('expert') else 'layers'}, {sizes[k] / 2**20:.1f} MiB"
+                       for k, n in groups.items()},
+            "lm_head": f"{_placement(m.lm_head)}, {_bytes(m.lm_head) / 2**20:.1f} MiB",
+            "embedding": "dense table" if m.embed is not None else "rows dequantized from the stored table on lookup",
             "decode stack": "off (DeepSeek layers run one by one)",
+            "weights resident": f"{m.num_weight_bytes() / 2**20:.1f} MiB",
         }
     from forklm.models.gpt2 import GPT2Model
 

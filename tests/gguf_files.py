@@ -51,10 +51,11 @@ def k_quant_type(name: str, k: int) -> str | None:
 
 
 def requantize(src: Path, dst: Path, rule: Callable[[str, int], str | None], *, fields: dict | None = None,
-               drop: Callable[[str], bool] = lambda name: False) -> Path:
+               drop: Callable[[str], bool] = lambda name: False, add: dict | None = None) -> Path:
     """Writes `dst`: `src` with every tensor the rule names requantized (from its float values; a 3-D
-    stack of experts row by row), metadata `fields` ({key: (value, gguf.GGUFValueType)}) set, the
-    tensors `drop` names left out."""
+    stack of experts row by row), metadata `fields` ({key: (value, gguf.GGUFValueType)}, value None:
+    the key removed) set, the tensors `drop` names left out, float32 tensors `add` ({name: array in
+    the Hugging Face dim order}) added."""
     import gguf
 
     from forklm.kernels import ggml_gemm
@@ -70,7 +71,10 @@ def requantize(src: Path, dst: Path, rule: Callable[[str, int], str | None], *, 
         sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
     for key, (value, vtype) in fields.items():
-        writer.add_key_value(key, value, vtype)
+        if value is not None:
+            writer.add_key_value(key, value, vtype)
+    for name, values in (add or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
     for t in reader.tensors:
         if drop(t.name):
             continue

@@ -157,6 +157,11 @@ def test_quantized_file_runs_as_stored(files):
             assert isinstance(w, BlockLinear) and w.dense is None
     assert isinstance(model.lm_head, BlockLinear) and model.lm_head.dense is None
     assert model.embed is None  # rows looked up in the stored table
+    from forklm.info import report
+
+    layers = report(fast)["model"]["layers"]  # `forklm info`: each product's stored types and kernel
+    assert layers["expert gate_up: Q4_0+Q4_0 -> block kernel (q4_1 layout, Q8 activations)"].startswith("16 experts")
+    assert any(k.startswith("expert down: Q5_1 -> block kernel") for k in layers)
     dense = LLM(str(mixed), dtype="float32", quantize=None).model
     ids = torch.randint(0, SMOLLM2_VOCAB, (14,), generator=torch.Generator().manual_seed(5))
     a = model.forward(ids, torch.arange(14), DenseLatentAttention())
@@ -199,3 +204,31 @@ def test_what_the_file_cannot_say_is_refused(files, tmp_path):
                          fields={"deepseek2.rope.scaling.type": ("longrope", gguf.GGUFValueType.STRING)})
     with pytest.raises(UnsupportedModelError, match="longrope"):
         LLM(str(scaling))
+
+
+def test_older_file_layout_loads(files, tmp_path):
+    """Files written before llama.cpp's MLA cache (2025): kv_b_proj whole as attn_kv_b, the per-head
+    key / value lengths in key_length / value_length, no *_mla keys. The same logits."""
+    from forklm.models.gguf_file import read_gguf
+
+    _, _, f32, _ = files
+    meta, tensors = read_gguf(f32)
+    c = LLM(str(f32), dtype="float32").config
+    kv_b = {}
+    for t in tensors:
+        if t.name.endswith("attn_k_b.weight"):
+            layer = t.name.split(".")[1]
+            k_b = torch.from_numpy(t.data.copy())  # [h, r, dn]
+            v_b = torch.from_numpy(next(u for u in tensors if u.name == f"blk.{layer}.attn_v_b.weight").data.copy())
+            kv_b[f"blk.{layer}.attn_kv_b.weight"] = torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(-1, k_b.shape[1]).numpy()
+    U32 = gguf.GGUFValueType.UINT32
+    old = requantize(f32, tmp_path / "old.gguf", lambda name, k: None, add=kv_b,
+                     drop=lambda n: n.endswith(("attn_k_b.weight", "attn_v_b.weight")),
+                     fields={"deepseek2.attention.key_length": (c.qk_head_dim, U32),
+                             "deepseek2.attention.value_length": (c.v_head_dim, U32),
+                             "deepseek2.attention.key_length_mla": (None, U32),
+                             "deepseek2.attention.value_length_mla": (None, U32)})
+    ids = torch.randint(0, SMOLLM2_VOCAB, (9,), generator=torch.Generator().manual_seed(7))
+    a = LLM(str(old), dtype="float32").model.forward(ids, torch.arange(9), DenseLatentAttention())
+    b = LLM(str(f32), dtype="float32").model.forward(ids, torch.arange(9), DenseLatentAttention())
+    assert rel_err(a, b) < 1e-6

@@ -496,6 +496,35 @@ class DeepseekModel:
             raise UnsupportedModelError(f"checkpoint has tensors a {config.architecture} model does not use: "
                                         f"{', '.join(unused[:5])}{more}")
 
+    def named_matrices(self):
+        """(kind, weight) of every product's weights, layer by layer: attention, MLP / experts."""
+        for layer in self.layers:
+            attn, mlp = layer["attn"], layer["mlp"]
+            yield from (("q_kv_a" if attn.q_b is None else "q_a_kv_a", attn.q_kv_a), ("o", attn.o))
+            if attn.q_b is not None:
+                yield "q_b", attn.q_b
+            if isinstance(mlp, MoE):
+                for expert in mlp.experts:
+                    yield from (("expert gate_up", expert.gate_up), ("expert down", expert.down))
+                yield from (("shared gate_up", mlp.shared.gate_up), ("shared down", mlp.shared.down))
+            else:
+                yield from (("gate_up", mlp.gate_up), ("down", mlp.down))
+
+    def num_weight_bytes(self) -> int:
+        """Bytes of every weight the model holds (a tied head counted once)."""
+        from forklm.models.quant import QuantizedLinear
+
+        def size(w) -> int:
+            ts = w.tensors() if isinstance(w, QuantizedLinear) else [w]
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        mats = [w for _, w in self.named_matrices()]
+        heads = [] if self.lm_head is self.embed else [self.lm_head]
+        dense = [t for t in (self.embed, self.norm) if t is not None]
+        rest = [t for layer in self.layers for t in (layer["attn_norm"], layer["mlp_norm"], layer["attn"].kv_a_norm,
+                                                      layer["attn"].w_uk, layer["attn"].w_uv)]
+        return sum(size(w) for w in mats + heads + dense + rest)
+
     def prepare_decode_stack(self) -> None:
         """Llama's one-call C++ layer stack has no latent form: DeepSeek layers run one by one."""
 
