@@ -194,6 +194,10 @@ def forklm_perplexity(path: Path | str, text: str, n_ctx: int, n_chunks: int | N
     t0 = time.perf_counter()
     llm = LLM(str(path), quantize=quantize, dtype=dtype)
     load_s = time.perf_counter() - t0
+    # llama-perplexity's softmax runs over every row of the head; forklm's sampling masks the rows past
+    # the tokenizer's vocabulary (a padded embedding: "[PAD<id>]" tokens). Scored as llama.cpp scores.
+    padding = llm.model.config.vocab_size - llm.model.num_valid_tokens
+    llm.model.num_valid_tokens = llm.model.config.vocab_size
     tokens = llm.tokenizer.encode(text)
     bos = bos_for_chunks(llm.tokenizer)
     prefill = EnginePrefill(llm)
@@ -204,6 +208,7 @@ def forklm_perplexity(path: Path | str, text: str, n_ctx: int, n_chunks: int | N
     return {
         "ppl": ppl, "ppl_err": err, "mean_nll": acc.nll / acc.count, "scored_tokens": acc.count,
         "chunks": acc.chunks, "text_tokens": len(tokens), "bos_per_chunk": bos,
+        "softmax_rows": llm.model.config.vocab_size, "padding_rows_included": padding,
         "quantize": llm.quantize, "dtype": str(llm.dtype).replace("torch.", ""),
         "kv_dtype": str(engine.kv.dtype).replace("torch.", ""),
         "max_batch_tokens": engine.config.max_batch_tokens,
