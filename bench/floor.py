@@ -113,10 +113,12 @@ def measure_ceilings(
 
 # ---------------------------------------------------------------------- the model's side
 def matmul_parameters(config: ModelConfig) -> int:
-    """Parameters that take part in a matrix product per token: all but the embedding lookup and norms."""
+    """Parameters that take part in a matrix product per token: all but the embedding lookup and norms
+    (a mixture of experts: the experts one token is routed to, DeepseekConfig.num_parameters(active=True))."""
     embed_lookup = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     norms = (2 * config.num_layers + 1) * config.hidden_size
-    return config.num_parameters() - embed_lookup - norms
+    moe = hasattr(config, "n_routed_experts")
+    return (config.num_parameters(active=True) if moe else config.num_parameters()) - embed_lookup - norms
 
 
 def kv_read_bytes(config: ModelConfig, element_bytes: int, b: int, m_c: int, m_d: float, bifurcated: bool) -> float:

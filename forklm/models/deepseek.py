@@ -158,6 +158,23 @@ class DeepseekConfig:
         """Bytes one token's latents occupy over all layers."""
         return self.num_layers * self.latent_dim * element_bytes
 
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the checkpoint as forklm runs it (no multi-token-prediction layers); active:
+        those one token uses (num_experts_per_tok of the routed experts, not all)."""
+        H, h, r, dr = self.hidden_size, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        dq = h * self.qk_head_dim
+        q = H * dq if self.q_lora_rank is None else H * self.q_lora_rank + self.q_lora_rank * (dq + 1)
+        attn = q + H * (r + dr) + r + r * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * H
+        expert = 3 * H * self.moe_intermediate_size
+        routed = self.num_experts_per_tok if active else self.n_routed_experts
+        moe = H * self.n_routed_experts + (routed + self.n_shared_experts) * expert
+        if self.scoring_func == "sigmoid":
+            moe += self.n_routed_experts
+        dense, n_moe = 3 * H * self.intermediate_size, self.num_layers - self.first_k_dense_replace
+        layers = self.num_layers * (attn + 2 * H) + self.first_k_dense_replace * dense + n_moe * moe
+        head = 0 if self.tie_word_embeddings else self.vocab_size * H
+        return layers + self.vocab_size * H + head + H
+
     # What the engine's paged pool reads of a model config (config.ModelConfig's names): one
     # "KV head" of width Dk per layer, the latent, whose first kv_lora_rank dims are also the values
     # (the pool holds no separate V), so absorbed decode is multi-query attention with h query heads.
@@ -524,6 +541,29 @@ class DeepseekModel:
         rest = [t for layer in self.layers for t in (layer["attn_norm"], layer["mlp_norm"], layer["attn"].kv_a_norm,
                                                       layer["attn"].w_uk, layer["attn"].w_uv)]
         return sum(size(w) for w in mats + heads + dense + rest)
+
+    def step_weight_bytes(self, rows: int) -> float:
+        """Weight bytes a forward of `rows` rows reads: every matrix but the routed experts once, and
+        of each MoE layer's routed experts the expected number `rows` tokens touch under uniform
+        routing, E·(1 - (1 - k/E)^rows) (an estimate: the routing is the model's)."""
+        from forklm.models.quant import QuantizedLinear
+
+        def read(w) -> int:
+            ts = w.kernel_tensors() if isinstance(w, QuantizedLinear) else [w]
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        total = read(self.lm_head) + read(self.norm)
+        for name, w in self.named_matrices():
+            if not name.startswith("expert "):
+                total += read(w)
+        c = self.config
+        touched = c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** rows)
+        for layer in self.layers:
+            if isinstance(layer["mlp"], MoE):
+                experts = layer["mlp"].experts
+                per_expert = sum(read(e.gate_up) + read(e.down) for e in experts) / len(experts)
+                total += touched * per_expert
+        return total
 
     def prepare_decode_stack(self) -> None:
         """Llama's one-call C++ layer stack has no latent form: DeepSeek layers run one by one."""
