@@ -60,17 +60,24 @@ def _bytes(w: Any) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def _products(pairs, unit: str = "layers") -> dict[str, str]:
+    """(kind, weight) pairs grouped by kind and placement: how many, and their bytes."""
+    groups: Counter = Counter()
+    sizes: Counter = Counter()
+    for name, w in pairs:
+        key = f"{name}: {_placement(w)}"
+        groups[key] += 1
+        sizes[key] += _bytes(w)
+    return {k: f"{n} {'experts' if k.startswith('expert') else unit}, {sizes[k] / 2**20:.1f} MiB"
+            for k, n in groups.items()}
+
+
 def model_report(llm: Any) -> dict[str, Any]:
     from forklm.models.deepseek import DeepseekModel
 
     m = llm.model
     if isinstance(m, DeepseekModel):
         c = m.config
-        groups, sizes = Counter(), Counter()
-        for name, w in m.named_matrices():
-            key = f"{name}: {_placement(w)}"
-            groups[key] += 1
-            sizes[key] += _bytes(w)
         return {
             "source": str(llm.source), "architecture": c.architecture, "dtype": str(llm.dtype).replace("torch.", ""),
             "quantize": llm.quantize, "backend": m.backend.describe(),
@@ -78,8 +85,7 @@ def model_report(llm: Any) -> dict[str, Any]:
             "attention": f"multi-head latent, absorbed: {c.num_heads} query heads over one cached latent of "
                          f"{c.kv_lora_rank} + {c.qk_rope_head_dim} per token and layer "
                          f"({c.kv_bytes_per_token(m.dtype.itemsize)} bytes a token in {m.dtype})",
-            "layers": {k: f"{n} {'experts' if k.startswith('expert') else 'layers'}, {sizes[k] / 2**20:.1f} MiB"
-                       for k, n in groups.items()},
+            "layers": _products(m.named_matrices()),
             "lm_head": f"{_placement(m.lm_head)}, {_bytes(m.lm_head) / 2**20:.1f} MiB",
             "embedding": "dense table" if m.embed is not None else "rows dequantized from the stored table on lookup",
             "decode stack": "off (DeepSeek layers run one by one)",
@@ -88,13 +94,8 @@ def model_report(llm: Any) -> dict[str, Any]:
     from forklm.models.gpt2 import GPT2Model
 
     gpt2 = isinstance(m, GPT2Model)
-    groups: Counter = Counter()
-    sizes: Counter = Counter()
-    for layer in m.layers:
-        for name in ("qkv", "o", "fc", "proj") if gpt2 else ("qkv", "o", "gate_up", "down"):
-            key = f"{name}: {_placement(layer[name])}"
-            groups[key] += 1
-            sizes[key] += _bytes(layer[name])
+    names = ("qkv", "o", "fc", "proj") if gpt2 else ("qkv", "o", "gate_up", "down")
+    layers = _products((name, layer[name]) for layer in m.layers for name in names)
     if gpt2:
         c = m.config
         el = c.el_cache_config()
@@ -102,7 +103,7 @@ def model_report(llm: Any) -> dict[str, Any]:
             "source": str(llm.source), "architecture": c.architecture, "dtype": str(llm.dtype).replace("torch.", ""),
             "quantize": llm.quantize, "backend": m.backend.describe(),
             "fall-backs from the fast path": "; ".join(m.backend.fallbacks) or "none",
-            "layers": {k: f"{v} layers, {sizes[k] / 2**20:.1f} MiB" for k, v in groups.items()},
+            "layers": layers,
             "lm_head": f"{_placement(m.lm_head)} (tied to the token table)",
             "attention": f"{c.num_heads} heads of {c.head_dim}, {c.num_kv_heads} KV heads, learned positions: K/V "
                          f"{c.kv_bytes_per_token(m.dtype.itemsize)} bytes a token, or EL-attention "
@@ -116,7 +117,7 @@ def model_report(llm: Any) -> dict[str, Any]:
         "quantize": llm.quantize,
         "backend": m.backend.describe(),
         "fall-backs from the fast path": "; ".join(m.backend.fallbacks) or "none",
-        "layers": {k: f"{v} layers, {sizes[k] / 2**20:.1f} MiB" for k, v in groups.items()},
+        "layers": layers,
         "lm_head": f"{_placement(m.lm_head)}, {_bytes(m.lm_head) / 2**20:.1f} MiB",
         "embedding": "dense table" if m.embed is not None else "rows dequantized from the stored table on lookup",
         "decode stack": "on" if stack is not None else "off (" + _why_no_stack(m) + ")",

@@ -180,6 +180,30 @@ def test_threads_do_not_change_the_bits():
     assert torch.equal(one[0][:1], one[1])
 
 
+@pytest.mark.parametrize("t, b, n, k", [(1, 1, 8, 96), (9, 1, 16, 2048), (7, 16, 40, 128), (5, 3, 17, 37)])
+def test_dense_rows_is_each_rows_own_product(t, b, n, k):
+    """`dense_rows` (the float32 products around quantized ones: a router, W_UK / W_UV): close to a
+    float64 einsum, and every row's numbers the same whichever rows come with it, alone included, on
+    one thread or two (PyTorch's own products change kernels with the row count)."""
+    g = torch.Generator().manual_seed(t * 1000 + k)
+    x, w = torch.randn(t, b, k, generator=g), torch.randn(b, n, k, generator=g)
+    y = bg.dense_rows(x, w)
+    ref = torch.einsum("tbk,bnk->tbn", x.double(), w.double())
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(bg.dense_rows(x, w), y)
+            for i in range(t):
+                assert torch.equal(bg.dense_rows(x[i : i + 1], w)[0], y[i])
+            assert torch.equal(bg.dense_rows(x[1:], w), y[1:])
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="w must be float32"):
+        bg.dense_rows(x, w[:, :, 1:])
+
+
 def test_bad_shapes_are_refused_by_name():
     w = random_blocks("q4_1", 8, 64, seed=1).to_block_weights()
     with pytest.raises(RuntimeError, match="block values"):

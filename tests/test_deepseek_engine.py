@@ -66,6 +66,22 @@ def test_bifurcated_equals_standard_on_the_latent_pool(tmp_path_factory, variant
     assert len({tuple(s.token_ids) for s in a.samples}) > 1  # the samples differ from one another
 
 
+@pytest.mark.parametrize("variant", ["v2-q-group", "v3-qlora"])
+def test_a_sample_does_not_depend_on_n(tmp_path_factory, variant):
+    """Seeded sample i is the same whether 1, 3 or 7 are drawn (README "Reproducible sampling"): the
+    same tokens; the log-probs to float32 rounding, since dense float weights run PyTorch's products,
+    whose kernels change with the number of rows. (Quantized, every product is each row's own and the
+    samples are equal bit for bit: tests/test_deepseek_gguf.py.)"""
+    _, folder = engine_folder(tmp_path_factory, variant)
+    prompt = prompt_ids(8, 37)
+    llm = LLM(str(folder), dtype="float32")
+    outs = [llm.sample(prompt, n=n, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True) for n in (7, 3, 1)]
+    for out in outs[1:]:
+        for x, y in zip(out.samples, outs[0].samples):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, rel=1e-5)
+
+
 def test_pool_holds_one_latent_per_token_and_layer(tmp_path_factory):
     """The pool's tensors: [1, slots, kv_lora_rank + qk_rope_head_dim] per layer, V the same tensors;
     the prompt's slots hold the latents the model computes (against the dense oracle's)."""

@@ -381,6 +381,13 @@ def gemm(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tensor | None =
     return getattr(ext, f"gemm_{w.kind}")(x, *w.kernel_arrays(), mode, norm_weight, eps, residual)
 
 
+def dense_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Float32 x [T, B, K] times w [B, N, K] transposed, per b -> [T, B, N] (batched F.linear), each
+    output one dot product in a fixed order whatever T: a row's result depends on that row alone
+    (PyTorch's products choose other kernels for few rows)."""
+    return _extension().dense_rows(x, w)
+
+
 def repack_rows(type_name: str, raw: torch.Tensor, row0: int, qs: torch.Tensor, d: torch.Tensor,
                 m: torch.Tensor | None = None, qh: torch.Tensor | None = None, sc: torch.Tensor | None = None,
                 mq: torch.Tensor | None = None, q2: torch.Tensor | None = None) -> int:

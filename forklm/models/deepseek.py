@@ -27,7 +27,7 @@ import torch
 from forklm.backend import Backend, head_format
 from forklm.errors import ModelFileError, UnsupportedModelError
 from forklm.models.llama import _WeightReader, embed_tokens, rms_norm, token_table
-from forklm.models.moe import MoE, Router, SwiGLU, product_for
+from forklm.models.moe import MoE, Router, SwiGLU, dense_rows_for, product_for
 
 ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
@@ -240,13 +240,15 @@ class DeepseekConfig:
 
     @classmethod
     def from_gguf_fields(cls, meta: dict[str, Any], infos: dict[str, Any], tokenizer: Any) -> "DeepseekConfig":
-        """The config of a llama.cpp `deepseek2` file, read as llama.cpp reads it: gating by
-        expert_gating_func (absent: softmax, llama.cpp's rule for DeepSeek-V2 files; sigmoid is V3's
-        router with the correction bias exp_probs_b), groups when expert_group_count > 1 (ranked by
-        their top-2 sum under sigmoid, by their best expert under softmax: DeepSeek-V2's own rule, which
-        transformers follows; llama.cpp ranks both by the top-2 sum), the rotary pairs adjacent (ggml's
-        NORM rope), YaRN with mscale = mscale_all_dim (what llama.cpp assumes; the file has only
-        the latter, as rope.scaling.yarn_log_multiplier = 0.1 · mscale_all_dim)."""
+        """The config of a llama.cpp `deepseek2` file, read as llama.cpp reads it: the main layers
+        block_count - nextn_predict_layers (the multi-token-prediction layers after them are not run);
+        gating by expert_gating_func (absent or 0: softmax, llama.cpp's rule for DeepSeek-V2 files, but
+        for GLM-4.7-Flash's shape, sigmoid; sigmoid is V3's router, with the correction bias exp_probs_b
+        where the file has one), groups when expert_group_count > 1 (ranked by their top-2 sum under
+        sigmoid, by their best expert under softmax: DeepSeek-V2's own rule, which transformers follows;
+        llama.cpp ranks both by the top-2 sum), the rotary pairs adjacent (ggml's NORM rope), YaRN
+        with mscale = mscale_all_dim (the file has only the latter, as rope.scaling.yarn_log_multiplier
+        = 0.1 · mscale_all_dim) and betas 32 / 1 (llama.cpp's deepseek2 does not read the file's)."""
         def get(key: str, default: Any = None, required: bool = False) -> Any:
             value = meta.get(f"deepseek2.{key}", default)
             if required and value is None:
@@ -255,41 +257,47 @@ class DeepseekConfig:
                 raise UnsupportedModelError(f"deepseek2.{key} per layer ({value[:4]}...) is not supported")
             return value
 
-        for key in ("attention.temperature_scale", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
-                    "rope.scaling.attn_factor"):
-            if get(key) not in (None, 1, 1.0):
+        for key, off in (("attention.temperature_scale", 0), ("rope.scaling.yarn_ext_factor", 1),
+                         ("rope.scaling.yarn_attn_factor", 1), ("rope.scaling.attn_factor", 1)):
+            if get(key) not in (None, off):
                 raise UnsupportedModelError(f"deepseek2.{key}={get(key)} is not supported")
-        gating = get("expert_gating_func")
+        layers = int(get("block_count", required=True)) - int(get("nextn_predict_layers") or 0)
+        heads = int(get("attention.head_count", required=True))
+        embd = infos.get("token_embd.weight")
+        vocab = int(get("vocab_size") or (embd.shape[-1] if embd is not None else len(meta["tokenizer.ggml.tokens"])))
+        gating = get("expert_gating_func") or None
+        if gating is None and layers in (47, 48) and vocab == 154880:  # GLM-4.7-Flash (llama.cpp's rule)
+            gating = 2
         if gating not in (None, 1, 2):
             raise UnsupportedModelError(f"deepseek2.expert_gating_func={gating} is not supported "
                                         f"(1 softmax, 2 sigmoid)")
         sigmoid = gating == 2
         n_group, topk_group = int(get("expert_group_count") or 1), int(get("expert_group_used_count") or 1)
         experts = int(get("expert_count", required=True))
-        if experts % n_group or not 0 < topk_group <= n_group or (sigmoid and experts // n_group < 2):
+        if experts % n_group or not 0 < topk_group <= n_group or (n_group > 1 and sigmoid and experts // n_group < 2):
             raise ModelFileError(f"deepseek2.expert_group_count {n_group} / expert_group_used_count {topk_group} do "
                                  f"not fit {experts} experts")
-        layers, heads = int(get("block_count", required=True)), int(get("attention.head_count", required=True))
         r, dr = int(get("attention.kv_lora_rank", required=True)), int(get("rope.dimension_count", required=True))
         if get("attention.key_length_mla") is not None:  # files since llama.cpp's MLA cache (2025)
             dk, dv = int(get("attention.key_length_mla")), int(get("attention.value_length_mla", required=True))
         else:  # older files: the per-head lengths in key_length / value_length
             dk, dv = int(get("attention.key_length", required=True)), int(get("attention.value_length", required=True))
-        q_lora = get("attention.q_lora_rank")
-        embd = infos.get("token_embd.weight")
-        vocab = int(get("vocab_size") or (embd.shape[-1] if embd is not None else len(meta["tokenizer.ggml.tokens"])))
+        q_lora = int(get("attention.q_lora_rank") or 0) or None  # 0 / absent: q straight from the hidden state
         ctx = int(get("context_length", 4096))
         theta = float(get("rope.freq_base", 10000.0))
-        scaling = get("rope.scaling.type", "none")
+        scaling = get("rope.scaling.type")
+        if scaling is None and get("rope.scaling.factor") not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"deepseek2.rope.scaling.factor={get('rope.scaling.factor')} without "
+                                        f"rope.scaling.type (llama.cpp reads it as linear scaling) is not supported")
         if scaling == "yarn":
             log_mul = get("rope.scaling.yarn_log_multiplier")
-            mscale_all = None if not log_mul else float(log_mul) / 0.1
+            if not log_mul:  # llama.cpp then scales the logits by (1 + 0.1 ln factor)², transformers does not
+                raise UnsupportedModelError("deepseek2 YaRN without rope.scaling.yarn_log_multiplier is not supported")
+            mscale_all = float(log_mul) / 0.1
             rope = DeepseekRope(theta=theta, rope_type="yarn", factor=float(get("rope.scaling.factor", required=True)),
                                 original_max_position_embeddings=int(get("rope.scaling.original_context_length", ctx)),
-                                beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                                beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
-                                mscale=mscale_all, mscale_all_dim=mscale_all)
-        elif scaling == "none":
+                                beta_fast=32.0, beta_slow=1.0, mscale=mscale_all, mscale_all_dim=mscale_all)
+        elif scaling in (None, "none"):
             rope = DeepseekRope(theta=theta)
         else:
             raise UnsupportedModelError(f"deepseek2.rope.scaling.type {scaling!r} is not supported (none, yarn)")
@@ -299,7 +307,7 @@ class DeepseekConfig:
             architecture="deepseek_v3" if sigmoid else "deepseek_v2", vocab_size=vocab,
             hidden_size=int(get("embedding_length", required=True)),
             intermediate_size=int(get("feed_forward_length", required=True)), num_layers=layers, num_heads=heads,
-            q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=r, qk_nope_head_dim=dk - dr,
+            q_lora_rank=q_lora, kv_lora_rank=r, qk_nope_head_dim=dk - dr,
             qk_rope_head_dim=dr, v_head_dim=dv, first_k_dense_replace=int(get("leading_dense_block_count", 0)),
             n_routed_experts=experts, n_shared_experts=int(get("expert_shared_count", required=True)),
             num_experts_per_tok=int(get("expert_used_count", required=True)),
@@ -419,8 +427,8 @@ class Rotary:
 class MLA:
     """One layer's multi-head latent attention, absorbed."""
 
-    def __init__(self, c: DeepseekConfig, reader: _WeightReader, pre: str, product) -> None:
-        self.c, self.product = c, product
+    def __init__(self, c: DeepseekConfig, reader: _WeightReader, pre: str, product, rows) -> None:
+        self.c, self.product, self.rows = c, product, rows  # rows: moe.dense_rows_for
         if c.q_lora_rank is None:  # q and the latent from the hidden state in one product
             self.q_kv_a = reader.matrix(pre + "q_proj.weight", pre + "kv_a_proj_with_mqa.weight")  # [H, h·dq + Dk]
             self.q_a_norm = self.q_b = None
@@ -434,7 +442,7 @@ class MLA:
             raise ModelFileError(f"{pre}kv_b_proj.weight has shape {tuple(kv_b.shape)}, config says "
                                  f"{(c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)}")
         kv_b = kv_b.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        self.w_uk = kv_b[:, : c.qk_nope_head_dim].contiguous()  # [h, dn, r] float32
+        self.w_uk_t = kv_b[:, : c.qk_nope_head_dim].transpose(1, 2).contiguous()  # W_UK per head, [h, r, dn] float32
         self.w_uv = kv_b[:, c.qk_nope_head_dim :].contiguous()  # [h, dv, r] float32
         self.o = reader.matrix(pre + "o_proj.weight")  # [h·dv, H]
 
@@ -454,7 +462,7 @@ class MLA:
 
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """[q_nope · W_UK ; q_pe] [T, h, Dk]: the nope part moved into the latent space per head."""
-        q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), self.w_uk).to(q_pe.dtype)  # [T, h, r]
+        q_lat = self.rows(q_nope.float(), self.w_uk_t).to(q_pe.dtype)  # [T, h, r]
         return torch.cat([q_lat, q_pe], dim=-1)
 
     def heads(self, x: torch.Tensor, layer: int, rotary: Rotary, tables, attention: LatentAttention) -> torch.Tensor:
@@ -462,7 +470,7 @@ class MLA:
         q_nope, q_pe, latent = self.project(x, rotary, tables)
         q = self.absorbed_query(q_nope, q_pe)
         o_lat = attention.attend_latent(layer, q, latent, self.c.kv_lora_rank, self.c.softmax_scale)  # [T, h, r]
-        return torch.einsum("thr,hvr->thv", o_lat.float(), self.w_uv).to(x.dtype)  # W_UV per head
+        return self.rows(o_lat.float(), self.w_uv).to(x.dtype)  # W_UV per head
 
     def __call__(self, x: torch.Tensor, layer: int, rotary: Rotary, tables, attention: LatentAttention) -> torch.Tensor:
         a = self.heads(x, layer, rotary, tables, attention)  # [T, h, dv]
@@ -473,7 +481,7 @@ class MLA:
         standard attention's K/V (a prefill may attend over these instead of absorbing)."""
         c = self.c
         c_kv, k_pe = latent[:, : c.kv_lora_rank].float(), latent[:, c.kv_lora_rank :]
-        k_nope = torch.einsum("sr,hdr->shd", c_kv, self.w_uk).to(latent.dtype)
+        k_nope = torch.einsum("sr,hrd->shd", c_kv, self.w_uk_t).to(latent.dtype)
         v = torch.einsum("sr,hvr->shv", c_kv, self.w_uv).to(latent.dtype)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, c.num_heads, -1)], dim=-1)
         return k, v
@@ -489,6 +497,7 @@ class DeepseekModel:
         self.dtype, self.device = backend.dtype, backend.device
         self.num_valid_tokens = config.vocab_size
         self.product = product_for(backend)
+        self.rows = dense_rows_for(backend)  # the router's and W_UK / W_UV's float32 products, row-independent
         _split_fused_experts(weights, config)
         mtp = [n for n in weights if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m[1]) >= config.num_layers]
         for n in mtp:
@@ -527,41 +536,43 @@ class DeepseekModel:
             else:
                 yield from (("gate_up", mlp.gate_up), ("down", mlp.down))
 
+    def _small_tensors(self) -> list[torch.Tensor]:
+        """The tensors outside the products: norms, W_UK / W_UV (float32), the routers (float32)."""
+        out = [self.norm]
+        for layer in self.layers:
+            attn, mlp = layer["attn"], layer["mlp"]
+            out += [layer["attn_norm"], layer["mlp_norm"], attn.kv_a_norm, attn.w_uk_t, attn.w_uv]
+            out += [attn.q_a_norm] if attn.q_a_norm is not None else []
+            if isinstance(mlp, MoE):
+                out += [mlp.router.weight] + ([mlp.router.bias] if mlp.router.bias is not None else [])
+        return out
+
     def num_weight_bytes(self) -> int:
-        """Bytes of every weight the model holds (a tied head counted once)."""
+        """Bytes of every weight the model holds (a tensor shared by two uses counted once)."""
         from forklm.models.quant import QuantizedLinear
 
-        def size(w) -> int:
-            ts = w.tensors() if isinstance(w, QuantizedLinear) else [w]
-            return sum(t.numel() * t.element_size() for t in ts)
-
-        mats = [w for _, w in self.named_matrices()]
-        heads = [] if self.lm_head is self.embed else [self.lm_head]
-        dense = [t for t in (self.embed, self.norm) if t is not None]
-        rest = [t for layer in self.layers for t in (layer["attn_norm"], layer["mlp_norm"], layer["attn"].kv_a_norm,
-                                                      layer["attn"].w_uk, layer["attn"].w_uv)]
-        return sum(size(w) for w in mats + heads + dense + rest)
+        held = [w for _, w in self.named_matrices()] + [self.lm_head] + self._small_tensors()
+        held += [self.embed] if self.embed is not None else []
+        tensors = [t for w in held for t in (w.tensors() if isinstance(w, QuantizedLinear) else [w])]
+        unique = {t.data_ptr(): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     def step_weight_bytes(self, rows: int) -> float:
-        """Weight bytes a forward of `rows` rows reads: every matrix but the routed experts once, and
-        of each MoE layer's routed experts the expected number `rows` tokens touch under uniform
-        routing, E·(1 - (1 - k/E)^rows) (an estimate: the routing is the model's)."""
-        from forklm.models.quant import QuantizedLinear
+        """Weight bytes a forward of `rows` rows reads: every weight but the routed experts once (in
+        the form that runs at that many rows, as LlamaModel.step_weight_bytes), and of each MoE layer's
+        routed experts the expected number `rows` tokens touch under uniform routing,
+        E·(1 - (1 - k/E)^rows) (an estimate: the routing is the model's)."""
+        from forklm.models.llama import weight_bytes_read
 
-        def read(w) -> int:
-            ts = w.kernel_tensors() if isinstance(w, QuantizedLinear) else [w]
-            return sum(t.numel() * t.element_size() for t in ts)
-
-        total = read(self.lm_head) + read(self.norm)
-        for name, w in self.named_matrices():
-            if not name.startswith("expert "):
-                total += read(w)
+        total = sum(weight_bytes_read(w, rows) for w in [self.lm_head] + self._small_tensors())
+        total += sum(weight_bytes_read(w, rows) for name, w in self.named_matrices() if not name.startswith("expert "))
         c = self.config
         touched = c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** rows)
         for layer in self.layers:
             if isinstance(layer["mlp"], MoE):
                 experts = layer["mlp"].experts
-                per_expert = sum(read(e.gate_up) + read(e.down) for e in experts) / len(experts)
+                per_expert = sum(weight_bytes_read(e.gate_up, rows) + weight_bytes_read(e.down, rows)
+                                 for e in experts) / len(experts)
                 total += touched * per_expert
         return total
 
@@ -572,7 +583,7 @@ class DeepseekModel:
         c, pre = self.config, f"model.layers.{i}."
         return {
             "attn_norm": reader.take(pre + "input_layernorm.weight"),
-            "attn": MLA(c, reader, pre + "self_attn.", self.product),
+            "attn": MLA(c, reader, pre + "self_attn.", self.product, self.rows),
             "mlp_norm": reader.take(pre + "post_attention_layernorm.weight"),
             "mlp": self._build_moe(reader, pre + "mlp.") if c.is_moe_layer(i) else self._swiglu(reader, pre + "mlp."),
         }
@@ -586,7 +597,7 @@ class DeepseekModel:
         bias = reader.raw(pre + "gate.e_score_correction_bias") if c.scoring_func == "sigmoid" else None
         router = Router(reader.raw(pre + "gate.weight"), bias, top_k=c.num_experts_per_tok, scoring=c.scoring_func,
                         topk_method=c.topk_method, n_group=c.n_group, topk_group=c.topk_group,
-                        norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
+                        norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor, rows=self.rows)
         if router.weight.shape != (c.n_routed_experts, c.hidden_size):
             raise ModelFileError(f"{pre}gate.weight has shape {tuple(router.weight.shape)}, config says "
                                  f"{(c.n_routed_experts, c.hidden_size)}")

@@ -398,10 +398,13 @@ def _load_deepseek(meta: dict[str, Any], infos: dict[str, Any], tokenizer: Token
             continue
         w = None if as_float else _blocks(info, shape)
         weights[hf_name] = _dequantize(info, path) if w is None else w
-    missing = [n for n in expected if n not in seen]
+    optional = {n for n in expected if n.endswith("e_score_correction_bias")}  # llama.cpp: no bias, none added
+    missing = [n for n in expected if n not in seen and n not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelFileError(f"{path}: missing tensor for {missing[0]}{more}")
+    for name in optional - seen:
+        weights[name] = torch.zeros(config.n_routed_experts)
     for i in range(config.num_layers):  # W_UK [h, r, dn] and W_UV [h, dv, r] joined back into kv_b_proj
         pre = f"model.layers.{i}.self_attn."
         if pre + "k_b" in weights:

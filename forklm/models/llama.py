@@ -152,6 +152,16 @@ def token_table(reader: _WeightReader, shape: tuple[int, int], tied: bool):
     return embed, embed_rows, tied_head
 
 
+def weight_bytes_read(w, rows: int) -> int:
+    """Bytes a product of `rows` rows reads of weight w: a QuantizedLinear's packed weights and scales
+    up to its `max_rows`, its dense copy above; a dense tensor whole."""
+    if isinstance(w, QuantizedLinear):
+        if w.dense is not None and rows > w.max_rows:
+            return w.dense.numel() * w.dense.element_size()
+        return sum(u.numel() * u.element_size() for u in w.kernel_tensors())
+    return w.numel() * w.element_size()
+
+
 def embed_tokens(embed: torch.Tensor | None, embed_rows, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows [T, H] of `ids` from a `token_table`."""
     return embed[ids] if embed_rows is None else embed_rows(ids).to(dtype)
@@ -252,15 +262,8 @@ class LlamaModel:
         """Weight bytes a forward of `rows` rows reads: every matrix once in the form that runs at
         that many rows (a QuantizedLinear's packed weights and scales up to its `max_rows`, its dense
         copy above), norms and biases; the embedding table only as a separate LM head reads it."""
-        def read(t) -> int:
-            if isinstance(t, QuantizedLinear):
-                if t.dense is not None and rows > t.max_rows:
-                    return t.dense.numel() * t.dense.element_size()
-                return sum(u.numel() * u.element_size() for u in t.kernel_tensors())
-            return t.numel() * t.element_size()
-
         tensors = [self.norm, self.lm_head] + [t for layer in self.layers for t in layer.values() if t is not None]
-        return sum(read(t) for t in tensors)
+        return sum(weight_bytes_read(t, rows) for t in tensors)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed) [T, 1, D] in the model dtype for these positions (see apply_rope), from

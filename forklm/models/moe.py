@@ -27,6 +27,25 @@ def product_for(backend: Backend) -> Callable:
     return F.linear  # W [out, in]
 
 
+def dense_rows_for(backend: Backend) -> Callable:
+    """Batched float32 products x [T, B, K] times w [B, N, K] transposed -> [T, B, N] in which a row's
+    result depends on that row alone (the block kernel's `dense_rows`), where it runs; else PyTorch's
+    einsum (whose kernels change with the number of rows: the fall-back is recorded)."""
+    if backend.device.type == "cpu":
+        from forklm.kernels import block_gemm
+
+        if block_gemm.available():
+            return block_gemm.dense_rows
+        backend.fallbacks.append("routers and W_UK / W_UV run PyTorch's float32 products, whose rounding changes with "
+                                 f"the number of rows ({block_gemm.build_error() or 'no AVX2'}): a seeded sample may "
+                                 "depend on n")
+    return _einsum_rows
+
+
+def _einsum_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("tbk,bnk->tbn", x, w)
+
+
 class SwiGLU:
     """down(silu(gate(x)) * up(x)) with gate and up fused in one product: a dense MLP, one routed
     expert or the shared experts."""
@@ -43,8 +62,10 @@ class Router:
     """Top-k expert choice per token: (weights [T, k] float32, experts [T, k] int64)."""
 
     def __init__(self, weight: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, scoring: str,
-                 topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float) -> None:
-        self.weight = weight.float()  # [E, H], kept float32 as transformers keeps it
+                 topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
+                 rows: Callable = None) -> None:
+        self.weight = weight.float().contiguous()  # [E, H], kept float32 as transformers keeps it
+        self.rows = rows or _einsum_rows  # dense_rows_for(backend)
         self.bias = None if correction_bias is None else correction_bias.float()  # [E] (sigmoid scoring)
         self.top_k, self.scoring, self.topk_method = top_k, scoring, topk_method
         self.n_group, self.topk_group = n_group, topk_group
@@ -55,7 +76,7 @@ class Router:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = self.rows(x.float()[:, None], self.weight[None])[:, 0]  # [T, E]
         if self.scoring == "sigmoid":
             weights, experts = self._sigmoid_route(logits.sigmoid())
         else:

@@ -1204,6 +1204,58 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   });
   return bad.load();
 }
+
+// Dense float32 products whose every output is one dot product in a fixed order (8 lanes over K
+// ascending, `hsum`, then the tail in order), whatever the number of rows or the tile a row shares:
+// y[t, b, n] = Σ_k x[t, b, k] · w[b, n, k]. PyTorch's float32 products pick other kernels for few
+// rows (a row's result then depends on how many rows there are); the small float products around
+// quantized ones (a router, DeepSeek's W_UK / W_UV) run here so that a sample never depends on n.
+template <int R>
+void dense_tile(const float* x, int64_t x_row, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
+                int64_t y_row) {
+  const int64_t K8 = K / 8 * 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wn = w + n * K;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+      const __m256 wv = _mm256_loadu_ps(wn + k);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_row + k), wv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r]);
+      for (int64_t k = K8; k < K; ++k) s = std::fma(x[r * x_row + k], wn[k], s);
+      y[r * y_row + n] = s;
+    }
+  }
+}
+
+torch::Tensor dense_rows(const torch::Tensor& x_in, const torch::Tensor& w_in) {
+  const torch::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.is_cpu(), "x must be float32 CPU [T, B, K]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.is_cpu() && w.size(0) == x.size(1) &&
+                  w.size(2) == x.size(2),
+              "w must be float32 CPU [B, N, K] matching x [T, B, K], got ", w.sizes(), " and ", x.sizes());
+  const int64_t T = x.size(0), B = x.size(1), K = x.size(2), N = w.size(1);
+  torch::Tensor y = torch::empty({T, B, N}, torch::kFloat32);
+  if (T == 0 || B == 0 || N == 0) return y;
+  constexpr int64_t CHUNK = 16;  // outputs whose weights stay in cache while every row passes them
+  const int64_t chunks = (N + CHUNK - 1) / CHUNK;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, B * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / chunks, n0 = (i % chunks) * CHUNK, n1 = std::min(N, n0 + CHUNK);
+      const float* wb = wp + b * N * K;
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4)
+        dense_tile<4>(xp + (t * B + b) * K, B * K, wb, K, n0, n1, yp + (t * B + b) * N, B * N);
+      for (; t < T; ++t) dense_tile<1>(xp + (t * B + b) * K, B * K, wb, K, n0, n1, yp + (t * B + b) * N, B * N);
+    }
+  });
+  return y;
+}
 }  // namespace
 
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
@@ -1220,6 +1272,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
+  m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
+        "output one dot product in a fixed order whatever T", py::call_guard<py::gil_scoped_release>());
   m.def("repack_rows", &repack_rows,
         "GGUF blocks (uint8 [r, row bytes], type by name) -> rows row0.. of the kernel's arrays; returns the "
         "number of Q4_0 / Q5_0 blocks whose minimum overflows float16",
