@@ -149,3 +149,27 @@ def test_int8_experts_run_quantized_close_to_float(tmp_path_factory):
     for s in got.samples:
         assert s.token_ids[0] == want.samples[0].token_ids[0]
         assert s.logprobs[0] == pytest.approx(want.samples[0].logprobs[0], abs=0.1)
+
+
+@pytest.mark.parametrize("variant", ["v2-q-group", "v3-qlora"])
+def test_speculation_and_prefix_cache_on_the_latent_pool(tmp_path_factory, variant):
+    """The engine's other parts on a DeepSeek model: n-gram speculation (drafted tokens verified as
+    multi-token extends over the latent pool) gives the plain run's tokens; a second request for the
+    same prompt finds its latents in the radix cache and gives the same samples."""
+    _, folder = engine_folder(tmp_path_factory, variant)
+    llm = LLM(str(folder), dtype="float32")
+    base = prompt_ids(9, 30)
+    prompt = base + base[:12]  # a repeat in the prompt, for the n-gram drafter to find
+    plain = llm.sample(prompt, n=3, max_tokens=16, temperature=0.0, ignore_eos=True)
+    spec_engine = llm.engine(speculative={"method": "ngram", "num_draft_tokens": 4})
+    state = spec_engine.add_request(prompt, SamplingOptions(n=3, max_tokens=16, temperature=0.0, ignore_eos=True).params())
+    spec_engine.run()
+    assert [s.token_ids for s in state.output.samples] == [s.token_ids for s in plain.samples]
+    for x, y in zip(state.output.samples, plain.samples):
+        assert x.logprobs == pytest.approx(y.logprobs, rel=1e-4, abs=1e-5)
+    assert spec_engine.metrics.speculative.draft_tokens > 0 and spec_engine.metrics.speculative.accepted_tokens > 0
+    req = dict(prompt=prompt, n=2, max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    first, = llm.generate([req])
+    again, = llm.generate([req])
+    assert again.stats.cached_prompt_tokens >= 16
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in first.samples]
