@@ -174,3 +174,16 @@ def test_a_minimum_that_overflows_float16_is_refused(type_name, factor):
     rows[4, 0:2] = huge  # row 4, block 0: d = 60000, so factor·d overflows
     with pytest.raises(ValueError, match=rf"1 {type_name} blocks' minimum {factor}d overflows float16"):
         quant.stored_block_weights([ggml_gemm.GGMLWeights(rows, type_name, 9, 64)])
+
+
+def test_row_range_is_a_view_of_those_rows():
+    """`GGMLWeights.row_range` (one expert of a stacked [E, rows, k] tensor): the stored rows a..b as a
+    weight of their own, no copy, their values those rows' values; a permuted weight refuses it."""
+    gen = torch.Generator().manual_seed(11)
+    rows = random_rows("Q4_K", 24, 256, gen)
+    w = ggml_gemm.GGMLWeights(rows, "Q4_K", 24, 256)
+    part = w.row_range(8, 16)
+    assert part.shape == (8, 256) and part.data.data_ptr() == rows[8].data_ptr()
+    assert torch.equal(part.dequantize(), w.dequantize()[8:16])
+    with pytest.raises(ValueError, match="permuted"):
+        ggml_gemm.GGMLWeights(rows, "Q4_K", 24, 256, row_order=torch.randperm(24, generator=gen)).row_range(0, 8)
