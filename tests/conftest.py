@@ -106,3 +106,15 @@ def forklm_server(smollm2_gguf):
                            api_key="test-key")
     yield server
     server.stop()
+
+
+def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation, recomputed from the whole sequence each step: (prompt + tokens,
+    each token's log-prob)."""
+    seq, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1].float(), -1)
+            seq.append(int(row.argmax()))
+            lps.append(float(row.max()))
+    return seq, lps

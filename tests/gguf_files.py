@@ -5,12 +5,39 @@ package's writer, metadata and tokenizer copied. (llama-quantize itself needs ll
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+
+# llama.cpp's sources, which scripts/build_ggml.sh (run by the set-up) unpacks
+CONVERTER = (Path(os.environ.get("FORKLM_LLAMA_CPP_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp")
+             / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")
+SMOLLM2_VOCAB = 49152
+
+
+def convert_hf_folder(folder: Path, out: Path, smollm2_gguf: Path) -> Path:
+    """`out`: the transformers checkpoint in `folder` as llama.cpp's convert_hf_to_gguf.py writes it
+    (float32), over the default model's tokenizer (a byte-level BPE the converter knows) saved beside it."""
+    from forklm.models.gguf_file import read_gguf
+    from forklm.tokenizer import Tokenizer
+
+    assert CONVERTER.exists(), f"{CONVERTER} not present: run scripts/setup.sh (scripts/build_ggml.sh unpacks it)"
+    meta, _ = read_gguf(smollm2_gguf)
+    Tokenizer.from_gguf_fields(meta)._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "GPT2Tokenizer"}))
+    r = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outfile", str(out), "--outtype", "f32"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
 
 # A file holding every type forklm runs as stored: the layers cycle through these. SmolLM2's
 # hidden size (576) is no multiple of 256, so K-quants fit only ffn_down (1536 inputs), as in

@@ -64,6 +64,18 @@ class DenseLatentAttention:
         return torch.cat(self.latents[layer])
 
 
+def randomize(hf):
+    """transformers' DeepSeek model with weights of some scale (norms near 1, so logits are not
+    near-uniform), the correction bias random too."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
+    return hf
+
+
 def build(tmp_path_factory, variant: str, seed: int = 0):
     """(transformers model, its folder): random weights with some scale (norms near 1, so logits are not
     near-uniform), the correction bias random too."""
@@ -73,13 +85,7 @@ def build(tmp_path_factory, variant: str, seed: int = 0):
     torch.manual_seed(seed)
     cfg = config_cls(**{**SMALL, **kw})
     cfg._attn_implementation = "eager"
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.05)
+    hf = randomize(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
     folder = tmp_path_factory.mktemp(variant)
     hf.save_pretrained(folder)
     _cache[variant] = (hf, folder)

@@ -11,7 +11,7 @@ from forklm import LLM
 from forklm.models.deepseek import DeepseekModel
 from forklm.sampling.params import SamplingOptions
 
-from conftest import rel_err
+from conftest import hf_greedy, rel_err
 from test_deepseek import SMALL, DenseLatentAttention, build
 
 VOCAB = SMALL["vocab_size"]
@@ -38,10 +38,7 @@ def test_engine_greedy_matches_transformers(tmp_path_factory, variant):
     llm = LLM(str(folder), dtype="float32")
     assert isinstance(llm.model, DeepseekModel)
     prompt = prompt_ids(4, 40)  # longer than a block: full shared blocks and a tail
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(8):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    seq, _ = hf_greedy(hf, prompt, 8)
     out = llm.sample(prompt, n=3, max_tokens=8, temperature=0.0, ignore_eos=True)
     for s in out.samples:
         assert s.token_ids == seq[len(prompt):]

@@ -8,8 +8,6 @@ dequantized values; what the file cannot say is refused by name."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import gguf
 import pytest
@@ -22,10 +20,9 @@ from forklm.models.deepseek import DeepseekModel
 from forklm.kernels import block_gemm
 from forklm.models.quant import BlockLinear
 
-from conftest import rel_err
-from gguf_files import requantize
-from test_deepseek import DenseLatentAttention
-from test_gpt2 import CONVERTER, SMOLLM2_VOCAB
+from conftest import hf_greedy, rel_err
+from gguf_files import SMOLLM2_VOCAB, convert_hf_folder, requantize
+from test_deepseek import DenseLatentAttention, randomize
 
 TOL = 1e-4
 # block-type-friendly widths (every in_features a multiple of 32), SmolLM2's vocabulary (a tokenizer
@@ -65,34 +62,16 @@ def mixed_types(name: str, k: int) -> str | None:
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def files(request, tmp_path_factory, smollm2_gguf):
     """(variant, transformers' model, the converted float32 file, the same requantized to block types)."""
-    from forklm.models.gguf_file import read_gguf
-    from forklm.tokenizer import Tokenizer
-
-    assert CONVERTER.exists(), f"{CONVERTER} not present: run scripts/setup.sh (scripts/build_ggml.sh unpacks it)"
     variant = request.param
     config_cls, kw = VARIANTS[variant]
     torch.manual_seed(0)
-    cfg = config_cls(**{**SHAPE, **kw})
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.05)
+    hf = randomize(AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **kw}), dtype=torch.float32).eval())
     folder = tmp_path_factory.mktemp(variant)
     hf.save_pretrained(folder)
     if variant.startswith("v3"):
         written = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**written, "scoring_func": "sigmoid"}))
-    meta, _ = read_gguf(smollm2_gguf)
-    Tokenizer.from_gguf_fields(meta)._tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "GPT2Tokenizer"}))
-    f32 = folder / f"{variant}-f32.gguf"
-    r = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outfile", str(f32), "--outtype", "f32"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    f32 = convert_hf_folder(folder, folder / f"{variant}-f32.gguf", smollm2_gguf)
     return variant, hf, f32, requantize(f32, folder / f"{variant}-mixed.gguf", mixed_types)
 
 
@@ -140,10 +119,7 @@ def test_float_file_greedy_on_the_engine(files):
     _, hf, f32, _ = files
     llm = LLM(str(f32), dtype="float32")
     prompt = torch.randint(3, SMOLLM2_VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(8):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    seq, _ = hf_greedy(hf, prompt, 8)
     out = llm.sample(prompt, n=3, max_tokens=8, temperature=0.0, ignore_eos=True)
     for s in out.samples:
         assert s.token_ids == seq[len(prompt):]
@@ -229,30 +205,23 @@ def test_quantized_file_bifurcated_equals_standard(files):
 
 def test_what_the_file_cannot_say_is_refused(files, tmp_path):
     _, _, f32, _ = files
-    keep = lambda name, k: None  # noqa: E731
-    gating = requantize(f32, tmp_path / "gating.gguf", keep,
-                        fields={"deepseek2.expert_gating_func": (3, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(UnsupportedModelError, match="expert_gating_func=3"):
-        LLM(str(gating))
-    missing = requantize(f32, tmp_path / "missing.gguf", keep, drop=lambda n: n == "blk.2.ffn_up_exps.weight")
-    with pytest.raises(ModelFileError, match="missing tensor for model.layers.2.mlp.experts.up_proj"):
-        LLM(str(missing))
-    groups = requantize(f32, tmp_path / "groups.gguf", keep,
-                        fields={"deepseek2.expert_group_count": (3, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(ModelFileError, match="expert_group_count 3"):
-        LLM(str(groups))
-    scaling = requantize(f32, tmp_path / "scaling.gguf", keep,
-                         fields={"deepseek2.rope.scaling.type": ("longrope", gguf.GGUFValueType.STRING)})
-    with pytest.raises(UnsupportedModelError, match="longrope"):
-        LLM(str(scaling))
-    temperature = requantize(f32, tmp_path / "temperature.gguf", keep,
-                             fields={"deepseek2.attention.temperature_scale": (0.1, gguf.GGUFValueType.FLOAT32)})
-    with pytest.raises(UnsupportedModelError, match="temperature_scale"):
-        LLM(str(temperature))
-    shape = requantize(f32, tmp_path / "shape.gguf", keep,
-                       fields={"deepseek2.expert_feed_forward_length": (32, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(ModelFileError, match=r"blk.1.ffn_\w+_exps.weight' has shape"):
-        LLM(str(shape))
+    U32, F32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+    cases = [  # (name, a metadata change or the tensors dropped, the error, its message)
+        ("gating", {"deepseek2.expert_gating_func": (3, U32)}, UnsupportedModelError, "expert_gating_func=3"),
+        ("missing", lambda n: n == "blk.2.ffn_up_exps.weight", ModelFileError,
+         "missing tensor for model.layers.2.mlp.experts.up_proj"),
+        ("groups", {"deepseek2.expert_group_count": (3, U32)}, ModelFileError, "expert_group_count 3"),
+        ("scaling", {"deepseek2.rope.scaling.type": ("longrope", STR)}, UnsupportedModelError, "longrope"),
+        ("temperature", {"deepseek2.attention.temperature_scale": (0.1, F32)}, UnsupportedModelError,
+         "temperature_scale"),
+        ("shape", {"deepseek2.expert_feed_forward_length": (32, U32)}, ModelFileError,
+         r"blk.1.ffn_\w+_exps.weight' has shape"),
+    ]
+    for name, change, error, message in cases:
+        how = dict(drop=change) if callable(change) else dict(fields=change)
+        bad = requantize(f32, tmp_path / f"{name}.gguf", lambda n, k: None, **how)
+        with pytest.raises(error, match=message):
+            LLM(str(bad))
 
 
 def test_older_file_layout_loads(files, tmp_path):

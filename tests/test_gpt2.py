@@ -6,8 +6,6 @@ standard == bifurcated, beam search == transformers' beam search, the pool's byt
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,8 @@ from forklm import LLM
 from forklm.errors import InvalidArgumentError, UnsupportedModelError
 from forklm.models.gpt2 import GPT2Model
 from forklm.sampling.params import SamplingOptions
+
+from conftest import hf_greedy
 
 VOCAB = 300
 ARCHS = ["gpt2", "gpt_bigcode"]
@@ -52,18 +52,6 @@ def build(tmp_path_factory, arch: str, **overrides):
 def pair(request, tmp_path_factory):
     hf, folder = build(tmp_path_factory, request.param)
     return hf, LLM(str(folder), dtype="float32")
-
-
-def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation, recomputed from the whole sequence each step: (prompt + tokens,
-    each token's log-prob)."""
-    seq, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(steps):
-            row = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1].float(), -1)
-            seq.append(int(row.argmax()))
-            lps.append(float(row.max()))
-    return seq, lps
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:
@@ -206,12 +194,6 @@ def test_el_chunked_prefill_and_cache_hits_recompute_prefix_keys(pair):
 
 
 # ---------------------------------------------------------------- GGUF files (llama.cpp's converter)
-# llama.cpp's sources, which scripts/build_ggml.sh (run by the set-up) unpacks
-CONVERTER = (Path(os.environ.get("FORKLM_LLAMA_CPP_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "llama.cpp")
-             / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")
-SMOLLM2_VOCAB = 49152
-
-
 def mixed_types(name: str, k: int) -> str | None:
     """Every product of a layer in a different block type the block kernel runs; the table Q8_0."""
     types = {"attn_qkv": "Q8_0", "attn_output": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q5_1"}
@@ -225,26 +207,13 @@ def mixed_types(name: str, k: int) -> str | None:
 def gguf_pair(request, tmp_path_factory, smollm2_gguf):
     """(transformers' model, its GGUF file written by llama.cpp's convert_hf_to_gguf.py, the same
     file requantized to mixed block types), over SmolLM2's tokenizer (one the converter knows)."""
-    import subprocess
-    import sys
+    from gguf_files import SMOLLM2_VOCAB, convert_hf_folder, requantize
 
-    from forklm.models.gguf_file import read_gguf
-    from forklm.tokenizer import Tokenizer
-    from gguf_files import requantize
-
-    assert CONVERTER.exists(), f"{CONVERTER} not present: run scripts/setup.sh (scripts/build_ggml.sh unpacks it)"
     arch = request.param
     hf, folder = build(tmp_path_factory, arch, vocab_size=SMOLLM2_VOCAB, n_positions=256)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "n_ctx": cfg["n_positions"]}))  # the converter reads n_ctx
-    meta, _ = read_gguf(smollm2_gguf)
-    Tokenizer.from_gguf_fields(meta)._tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "tokenizer_class": "GPT2Tokenizer"}))
-    f32 = folder / f"{arch}-f32.gguf"
-    r = subprocess.run([sys.executable, str(CONVERTER), str(folder), "--outfile", str(f32), "--outtype", "f32"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    f32 = convert_hf_folder(folder, folder / f"{arch}-f32.gguf", smollm2_gguf)
     return hf, f32, requantize(f32, folder / f"{arch}-mixed.gguf", mixed_types)
 
 

@@ -63,9 +63,9 @@ class Router:
 
     def __init__(self, weight: torch.Tensor, correction_bias: torch.Tensor | None, *, top_k: int, scoring: str,
                  topk_method: str, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
-                 rows: Callable = None) -> None:
+                 rows: Callable) -> None:
         self.weight = weight.float().contiguous()  # [E, H], kept float32 as transformers keeps it
-        self.rows = rows or _einsum_rows  # dense_rows_for(backend)
+        self.rows = rows  # dense_rows_for(backend)
         self.bias = None if correction_bias is None else correction_bias.float()  # [E] (sigmoid scoring)
         self.top_k, self.scoring, self.topk_method = top_k, scoring, topk_method
         self.n_group, self.topk_group = n_group, topk_group
