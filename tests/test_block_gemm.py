@@ -30,12 +30,25 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockQuantized:
     return BlockQuantized("q8_0", q, d)
 
 
+K_KINDS = ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k"]  # layouts over super-blocks of 256
+
+
 def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     """Random blocks of any layout the kernel runs (K-quant scales: 6-bit integers under float16
-    super-block scales, as GGUF's Q4_K / Q5_K hold them)."""
-    if kind not in ("q4_k", "q5_k", "q6_k"):
+    super-block scales, as GGUF's Q4_K / Q5_K hold them; Q3_K's signed 6-bit scales per 16, Q2_K's 4-bit
+    scales and minima per 16)."""
+    if kind not in K_KINDS:
         return random_blocks(kind, n, k, seed).to_block_weights()
     g = torch.Generator().manual_seed(seed)
+    if kind == "q3_k":
+        q = torch.randint(-4, 4, (n, k), generator=g, dtype=torch.int8)
+        ds = (torch.rand(n, k // 256, generator=g) * 0.004 + 1e-4).half().float()
+        return bg.pack_q3_k(q, ds, torch.randint(-32, 32, (n, k // 16), generator=g, dtype=torch.int8))
+    if kind == "q2_k":
+        q = torch.randint(0, 4, (n, k), generator=g, dtype=torch.uint8)
+        ds, dmin = ((torch.rand(n, k // 256, generator=g) * 0.004 + 1e-4).half().float() for _ in range(2))
+        sc, mn = (torch.randint(0, 16, (n, k // 16), generator=g, dtype=torch.uint8) for _ in range(2))
+        return bg.pack_q2_k(q, ds, dmin, sc, mn)
     if kind == "q6_k":
         q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
         ds = (torch.rand(n, k // 256, generator=g) * 0.001 + 1e-4).half().float()
@@ -49,10 +62,10 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k"]
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", K_KINDS)
 @pytest.mark.parametrize("t, n, k", [(1, 64, 256), (2, 7, 512), (3, 97, 256), (4, 130, 768), (5, 3, 1536),
                                      (9, 70, 256), (33, 65, 512), (1, 1, 256)])
 def test_k_quant_gemm_matches_reference(kind, t, n, k):
@@ -63,7 +76,11 @@ def test_k_quant_gemm_matches_reference(kind, t, n, k):
     if t * n >= 16:  # (a lone dot product can cancel: its relative error is no measure)
         assert rel_err(y, x.double() @ w.dequantize().double().t()) < 0.02
     q, d, m = w.unpack()  # the K-quant scales as GGUF forms them: ds·sc (and −dmin·mq)
-    assert torch.equal(d, w.d.float().repeat_interleave(d.shape[1] // w.d.shape[1], 1) * w.sc.float())
+    if kind == "q2_k":  # d holds (ds, dmin) per super-block, sc the file's scale | minimum << 4
+        ds, dmin = w.d.float().view(n, -1, 2).repeat_interleave(16, 1).unbind(-1)
+        assert torch.equal(d, ds * (w.sc & 15).float()) and torch.equal(m, -(dmin * (w.sc >> 4).float()))
+    else:
+        assert torch.equal(d, w.d.float().repeat_interleave(d.shape[1] // w.d.shape[1], 1) * w.sc.float())
 
 
 def test_kernel_builds_here():
@@ -295,7 +312,7 @@ def test_fused_prologues_and_residual_match_their_operators(kind, t):
         bg.gemm(x, w, residual=torch.randn(t, 95))
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", K_KINDS)
 def test_k_quant_rows_with_nan_or_tiny_values_stay_in_their_super_block(kind):
     """A NaN in one super-block makes its row NaN (as a dense product would) and leaves the other
     rows alone; a row of subnormal values quantizes to zeros and gives the minima-free zero product."""
@@ -309,6 +326,21 @@ def test_k_quant_rows_with_nan_or_tiny_values_stay_in_their_super_block(kind):
     assert torch.equal(y[[0, 3]], bg.gemm(x[[0, 3]], w))
     ref = bg.gemm_reference(x[[0, 3]], w)
     assert rel_err(y[[0, 3]], ref) < 1e-5
+
+
+def test_q3_k_q2_k_integer_sums_do_not_overflow_at_the_extremes():
+    """Q3_K values at 3 / −4 under scales ±31 / −32, Q2_K's at 3 under scale and minimum 15, against
+    activations at ±127: the integer sums stay in range (against the float64 reference)."""
+    n, k = 16, 512
+    x = torch.where(torch.rand(3, k) < 0.5, -1.0, 1.0) * 5.0
+    x[0] = 5.0  # all +127
+    ds = torch.full((n, k // 256), 1e-3).half().float()
+    for value, scale in ((3, 31), (-4, -32), (3, -32)):
+        w = bg.pack_q3_k(torch.full((n, k), value, dtype=torch.int8), ds, torch.full((n, k // 16), scale, dtype=torch.int8))
+        assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
+    full = torch.full((n, k // 16), 15, dtype=torch.uint8)
+    w = bg.pack_q2_k(torch.full((n, k), 3, dtype=torch.uint8), ds, ds * 2, full, full)
+    assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
 
 
 @pytest.mark.parametrize("five", [False, True])

@@ -102,6 +102,24 @@ def as_blocks(w: torch.Tensor, kind: str):
         step = (ds.repeat_interleave(16, 1) * sc).unsqueeze(-1)
         q = torch.round(w.float().view(n, -1, 16) / step).clamp(-32, 31).to(torch.int8).view(n, k)
         return bg.pack_q6_k(q, ds, sc.to(torch.int8))
+    if kind == "q3_k":
+        scale = blocks.view(n, -1, 16).abs().amax(-1) / 4  # per 16 values, q in −4..3
+        ds = (scale.view(n, -1, 16).amax(-1) / 31).half().float().clamp_min(1e-6)
+        sc = torch.round(scale / ds.repeat_interleave(16, 1)).clamp(1, 31)
+        step = (ds.repeat_interleave(16, 1) * sc).unsqueeze(-1)
+        q = torch.round(w.float().view(n, -1, 16) / step).clamp(-4, 3).to(torch.int8).view(n, k)
+        return bg.pack_q3_k(q, ds, sc.to(torch.int8))
+    if kind == "q2_k":
+        v = w.float().view(n, -1, 16)
+        lo = v.amin(-1).clamp_max(0)
+        d = (v.amax(-1) - lo) / 3
+        ds = (d.view(n, -1, 16).amax(-1) / 15).half().float().clamp_min(1e-6)
+        dmin = ((-lo).view(n, -1, 16).amax(-1) / 15).half().float().clamp_min(1e-6)
+        sc = torch.round(d / ds.repeat_interleave(16, 1)).clamp(1, 15)
+        mn = torch.round(-lo / dmin.repeat_interleave(16, 1)).clamp(0, 15)
+        step, minimum = (ds.repeat_interleave(16, 1) * sc).unsqueeze(-1), (dmin.repeat_interleave(16, 1) * mn).unsqueeze(-1)
+        q = torch.round((v + minimum) / step).clamp(0, 3).to(torch.uint8).view(n, k)
+        return bg.pack_q2_k(q, ds, dmin, sc.to(torch.uint8), mn.to(torch.uint8))
     qmax = 15 if kind.startswith("q4") else 31
     lo = blocks.amin(-1).clamp_max(0)
     d = ((blocks.amax(-1) - lo) / qmax).clamp_min(1e-6)
@@ -121,7 +139,7 @@ def as_blocks(w: torch.Tensor, kind: str):
 
 
 def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
-    """Q5_1 (GGUF Q5_0 / Q5_1), Q4_K, Q5_K, Q6_K and Q8_0 matrices mixed across a model's layers: the
+    """Q5_1 (GGUF Q5_0 / Q5_1), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and Q8_0 matrices mixed across a model's layers: the
     stack's samples and log-probabilities equal the layer loop's bit for bit."""
     from conftest import tiny_llama
 
@@ -129,20 +147,23 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.models.quant import BlockLinear
     from forklm.sampling.params import SamplingParams
 
-    model = tiny_llama(29, 256, 4, 2, 64, 512, 2, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k"]
+    model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
+    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "q3_k", "q2_k"]
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
-            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(i + j) % 5]))
-    # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside Q6_K)
-    for layer, (a, b) in zip(model.layers, (("q5_1", "q8_0"), ("q4_k", "q6_k"))):
+            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % 7]))
+    # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside
+    # Q6_K; Q2_K beside Q3_K, as a Q2_K file mixes them)
+    pairs = (("q5_1", "q8_0"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("q3_k", "q5_k"))
+    for layer, (a, b) in zip(model.layers, pairs):
         w = layer["qkv"].dequantize()
         layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)])
         w = layer["gate_up"].dequantize()
         layer["gate_up"] = BlockLinear([as_blocks(w[:512], b), as_blocks(w[512:], a)])
         w = layer["down"].dequantize()  # the residual fused into parts: each its columns
         layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
-    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k"}
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k", "q2_k+q3_k", "q3_k+q5_k"}
+    assert {layer["o"].kind for layer in model.layers} == {"q4_k", "q8_0", "q3_k", "q5_1"}
     calls = count_stack_steps(monkeypatch)
     prompts = [[random.Random(i).randrange(29) for _ in range(30 + 7 * i)] for i in range(3)]
     outs = {}

@@ -1,4 +1,4 @@
-"""GGUF weight blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K layouts) times float32
+"""GGUF weight blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K layouts) times float32
 activations on x86 CPUs with AVX2: integer dot products over activations quantized per row and block
 of 32 (K-quants: per super-block of 256, the sub-block scales applied in integers) (csrc/block_gemm.cpp, built on first use by `kernels/native.py` into forklm's cache; on CPUs with
 AVX512-VNNI a variant built with it, equal bit for bit: `uses_vnni`).
@@ -176,6 +176,12 @@ class BlockWeights:
           (bits 4-5: per block of 32, byte j holds those of values j, j + 8, j + 16, j + 24 at bits
           0-1, 2-3, 4-5, 6-7), d float16 [N, K/256] (ds) and sc int8 [N, K/16] (a scale per 16
           values), m None: w = ds·sc·(q − 32).
+    q3_k: GGUF Q3_K (K a multiple of 256): qs uint8 [N, K/4] the values' bits 0-1 (arranged as q6_k's
+          q2), qh int32 [N, K/32] (per block of 32, bit j = value j's bit 2), d float16 [N, K/256] (ds),
+          sc int8 [N, K/16] (the file's 6-bit scales − 32), m None: w = ds·sc·(q − 4), q in 0..7.
+    q2_k: GGUF Q2_K (K a multiple of 256): qs uint8 [N, K/4] the values (0..3, arranged as q6_k's q2),
+          d float16 [N, K/128] (per super-block ds then dmin), sc uint8 [N, K/16] (per 16 values the
+          file's byte: scale in bits 0-3, minimum in bits 4-7), m None: w = ds·sc·q − dmin·mn.
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
     """
 
@@ -185,8 +191,8 @@ class BlockWeights:
     m: torch.Tensor | None
     n: int
     k: int
-    qh: torch.Tensor | None = None  # q5_1 / q5_k only
-    sc: torch.Tensor | None = None  # q4_k / q5_k only
+    qh: torch.Tensor | None = None  # q5_1 / q5_k / q3_k only
+    sc: torch.Tensor | None = None  # q4_k / q5_k / q6_k / q3_k / q2_k only
     dm: torch.Tensor | None = None  # q4_k / q5_k only
     q2: torch.Tensor | None = None  # q6_k only
 
@@ -201,13 +207,23 @@ class BlockWeights:
         return {"q4_1": (self.qs, self.d, self.m), "q5_1": (self.qs, self.qh, self.d, self.m),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
-                "q6_k": (self.qs, self.q2, self.d, self.sc), "q8_0": (self.qs, self.d)}[self.kind]
+                "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.qh, self.d, self.sc),
+                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d)}[self.kind]
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q [N, K] uint8 0..15 / 0..31 or int8, d float32 [N, K/32] (q6_k: [N, K/16], a scale per 16
-        values), m float32 or None)."""
+        """(q [N, K] uint8 0..15 / 0..31 or int8, d float32 [N, K/32] (q6_k / q3_k / q2_k: [N, K/16], a
+        scale per 16 values), m float32 (the same groups) or None)."""
         if self.kind == "q8_0":
             return self.qs, self.d.float(), None
+        if self.kind in ("q3_k", "q2_k"):
+            q = unpack_two_bit_planes(self.qs, self.n, self.k)
+            if self.kind == "q3_k":
+                bits = (self.qh.long() & 0xFFFFFFFF).unsqueeze(-1) >> torch.arange(BLOCK)  # [N, nb, 32]
+                q = (q | ((bits & 1).to(torch.uint8).reshape(self.n, self.k) << 2)).to(torch.int8) - 4
+                return q, self.d.float().repeat_interleave(16, dim=1) * self.sc.float(), None
+            dd = self.d.float().view(self.n, -1, 2).repeat_interleave(16, dim=1)  # [N, K/16, (ds, dmin)]
+            sc = self.sc.long()
+            return q, dd[..., 0] * (sc & 15).float(), -(dd[..., 1] * (sc >> 4).float())
         nib = self.qs.view(self.n, self.k // BLOCK, 16)
         q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
         if self.kind == "q6_k":
@@ -273,6 +289,21 @@ def two_bit_planes(q: torch.Tensor) -> torch.Tensor:
     return (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, k // 4)
 
 
+def unpack_two_bit_planes(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `two_bit_planes` on bits 0-1: uint8 [N, K/4] -> values uint8 [N, K] in 0..3."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    return ((planes.view(n, k // BLOCK, 1, 8) >> shifts) & 3).reshape(n, k)
+
+
+def bit_words(bits: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] of 0 / 1 -> int32 [N, K/32]: per block of 32, bit j = value j's (natural order)."""
+    import numpy as np
+
+    n, k = bits.shape
+    b = bits.to(torch.uint8).view(n, k // BLOCK, BLOCK).numpy()
+    return torch.from_numpy(np.packbits(b, axis=-1, bitorder="little").view("<u4").view(np.int32).reshape(n, k // BLOCK).copy())
+
+
 def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:
     """q uint8 [N, K] in 0..15, d and m [N, K/32] holding float16 values."""
     n, k = q.shape
@@ -308,6 +339,27 @@ def pack_q6_k(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeigh
     u = (q.to(torch.int16) + 32).to(torch.uint8)
     return BlockWeights("q6_k", pack_nibbles(u), _exact_half(ds, "ds"), None, n, k, sc=sc.to(torch.int8).contiguous(),
                         q2=two_bit_planes(u).contiguous())
+
+
+def pack_q3_k(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeights:
+    """q int8 [N, K] in −4..3, ds [N, K/256] holding float16 values, sc int8 [N, K/16] in −32..31."""
+    n, k = q.shape
+    if k % 256:
+        raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
+    u = (q.to(torch.int16) + 4).to(torch.uint8)
+    return BlockWeights("q3_k", two_bit_planes((u & 3) << 4).contiguous(), _exact_half(ds, "ds"), None, n, k,
+                        qh=bit_words((u >> 2) & 1), sc=sc.to(torch.int8).contiguous())
+
+
+def pack_q2_k(q: torch.Tensor, ds: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> BlockWeights:
+    """q uint8 [N, K] in 0..3, ds and dmin [N, K/256] holding float16 values, sc and mn [N, K/16] in
+    0..15: w = ds·sc·q − dmin·mn."""
+    n, k = q.shape
+    if k % 256:
+        raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
+    d = torch.stack([_exact_half(ds, "ds"), _exact_half(dmin, "dmin")], dim=-1).reshape(n, -1).contiguous()
+    return BlockWeights("q2_k", two_bit_planes(q.to(torch.uint8) << 4).contiguous(), d, None, n, k,
+                        sc=(sc.to(torch.uint8) | (mn.to(torch.uint8) << 4)).contiguous())
 
 
 def _as_int32(words: torch.Tensor) -> torch.Tensor:
@@ -448,12 +500,13 @@ def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tenso
     act_block = SUPER_BLOCK if w.kind.endswith("_k") else BLOCK  # K-quant weights: activations per 256
     qx, dx, sx = quantize_q8_reference(x, block=act_block)
     qw, dw, mw = w.unpack()
-    ng = dw.shape[1]  # groups of values sharing a weight scale: blocks of 32 (q6_k: halves of 16)
+    ng = dw.shape[1]  # groups of values sharing a weight scale: blocks of 32 (q6_k / q3_k / q2_k: halves of 16)
     g = k // ng
     isum = torch.einsum("tbi,obi->tob", qx.long().view(t, ng, g), qw.long().view(w.n, ng, g))  # [T, N, ng]
     dxg = dx.repeat_interleave(act_block // g, dim=1)
     y = (isum.double() * dxg.double().unsqueeze(1) * dw.double().unsqueeze(0)).sum(-1)
-    if mw is not None:  # minima per block of 32: the row's dx·Σq over each 32
-        sx = dx.repeat_interleave(act_block // BLOCK, dim=1) * qx.view(t, k // BLOCK, BLOCK).sum(-1).float()
+    if mw is not None:  # minima per block of 32 (q2_k: 16): the row's dx·Σq over each
+        gm = k // mw.shape[1]
+        sx = dx.repeat_interleave(act_block // gm, dim=1) * qx.view(t, k // gm, gm).sum(-1).float()
         y = y + sx.double() @ mw.double().t()
     return y.float()

@@ -1,6 +1,6 @@
 """Weights kept quantized at run time: int8 per-output-channel and int4 group-wise weight-only
 formats over PyTorch's CPU kernels, and a GGUF file's blocks kept as stored: Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K on forklm's block kernel (`BlockLinear`), every other type ggml runs
+Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K on forklm's block kernel (`BlockLinear`), every other type ggml runs
 on ggml's dot products (`GGMLLinear`).
 
 Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
@@ -191,8 +191,8 @@ class QuantizedLinear:
 
 class BlockLinear(QuantizedLinear):
     """y = x @ wᵀ with w [out, in] kept as a GGUF file's blocks in one of the block kernel's layouts
-    (`forklm.kernels.block_gemm.BlockWeights`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
-    Q6_K, every value as stored), run by forklm's AVX2 integer kernel (activations quantized per row
+    (`forklm.kernels.block_gemm.BlockWeights`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K,
+    every value as stored), run by forklm's AVX2 integer kernel (activations quantized per row
     and block of 32, as llama.cpp does; each row's result depends on that row alone) at every row
     count. A fused matrix whose parts take different layouts (a Q5_0 q beside a Q8_0 v) holds one
     BlockWeights per run of parts (`parts`), multiplied one after the other into their columns.
@@ -305,13 +305,14 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
 
 # GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
 BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0",
-                      "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+                      "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
 def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
     Q4_0 / Q4_1 parts as q4_1, with a Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth
-    bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K parts as q6_k; Q8_0 parts as q8_0."""
+    bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
+    q2_k; Q8_0 parts as q8_0."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -348,7 +349,10 @@ def stored_block_weights(parts: list[GGMLWeights]):
     in the high one); Q4_0 becomes Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact;
     ValueError where the minimum overflows float16); Q4_K / Q5_K values take Q4_1's nibble order
     with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
-    5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own."""
+    5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's low 2 bits in
+    such a plane and its third bits a word per 32 values, its scales an int8 per 16 (3.56 bits a weight
+    against the file's 3.44); Q2_K's values in such a plane beside the file's scale / minimum bytes (as
+    stored: 2.63 bits)."""
     from forklm.kernels import block_gemm
 
     kind = block_kernel_kind([p.type_name for p in parts])
@@ -356,16 +360,20 @@ def stored_block_weights(parts: list[GGMLWeights]):
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
     n, k = sum(p.n for p in parts), parts[0].k
     nb, nsb = k // 32, k // 256
-    k_quant = kind in ("q4_k", "q5_k", "q6_k")
-    qs = torch.empty(n, k if kind == "q8_0" else k // 2, dtype=torch.uint8)
-    d = torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
-    m = None if kind in ("q8_0", "q6_k") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
-    qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
+    k_quant = kind in ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k")
+    two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
+    qs = torch.empty(n, k if kind == "q8_0" else k // 4 if two_bit else k // 2, dtype=torch.uint8)
+    d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
+    m = None if kind in ("q8_0", "q6_k", "q3_k", "q2_k") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    # 4-bit parts of a q5 layout: fifth bits 0; q3_k: the third bits
+    qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k", "q3_k") else None
     sc = mq = q2 = None
     if kind in ("q4_k", "q5_k"):
         sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
     elif kind == "q6_k":
         sc, q2 = torch.empty(n, k // 16, dtype=torch.int8), torch.empty(n, k // 4, dtype=torch.uint8)
+    elif two_bit:
+        sc = torch.empty(n, k // 16, dtype=torch.int8 if kind == "q3_k" else torch.uint8)
     for row0, raw, part in _stored_rows(parts):
         if raw.shape[0] == 0:
             continue
@@ -377,6 +385,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
         return block_gemm.BlockWeights("q8_0", qs.view(torch.int8), d, None, n, k)
     if kind == "q6_k":
         return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
+    if two_bit:
+        return block_gemm.BlockWeights(kind, qs, d, None, n, k, qh=qh, sc=sc)
     if kind in ("q4_k", "q5_k"):
         return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
                                        block_gemm.block_minima(m))

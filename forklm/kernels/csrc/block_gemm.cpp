@@ -10,14 +10,18 @@
 //         per 8 blocks, mq 6 bits; formed exactly in float32 for `minima_terms`)
 //   Q5_K  Q5_1's values with the K-quants' scales
 //   Q6_K  w = ds·sc·q, q in −32..31 (4 low bits as Q4_1's nibbles, 2 high bits in q2), sc an int8
-//         per 16 values under a float16 ds per 256 (`tile_q6`)
+//         per 16 values under a float16 ds per 256 (`tile_s16`)
+//   Q3_K  w = ds·sc·q, q in −4..3 (2 low bits in a plane as Q6_K's q2, the third bit a word per 32
+//         values), sc an int8 per 16 values (the file's 6-bit scale − 32) under a float16 ds per 256
+//   Q2_K  w = ds·sc·q − dmin·mn, q in 0..3 (a plane as Q6_K's q2), sc and mn 4 bits each per 16
+//         values (the file's byte), ds and dmin float16 per 256
 //   Q8_0  w = d·q, q int8
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
 // and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`). For K-quant weights the
 // same rule runs over super-blocks of 256 (one dx per 256, the sums of each 16 q kept: the shape of
 // ggml's Q8_K, not its rounding),
-// so a super-block's sub-block scales apply in integers (`tile_q6`); so for Q4_K / Q5_K (`tile_k`).
+// so a super-block's sub-block scales apply in integers (`tile_s16`); so for Q4_K / Q5_K (`tile_k`).
 //
 // Batch invariance: row t's result depends on row t alone (per-row activation scales; a row's
 // operations are the same whichever tile of rows it shares), so a sample's numbers never depend on
@@ -110,7 +114,7 @@ inline void quantize_super_block(const float* x, int8_t* q, float* d, int16_t* s
 }
 
 // Quantized activation rows. Blocks of 32 (Q4_1 / Q5_1 / Q8_0 weights): q, d and s = d·Σq per block.
-// Super-blocks of 256 (K-quant weights, `tile_q6` / `tile_k`): q, d per super-block, and the sums of
+// Super-blocks of 256 (K-quant weights, `tile_s16` / `tile_k`): q, d per super-block, and the sums of
 // each 16 values in `sums` (s unused).
 struct QuantizedRows {
   torch::Tensor q, d, s;  // int8 [T, K]; float32 [T, K/32] (super-blocks: d [T, K/256], s empty)
@@ -190,34 +194,42 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, co
 // K-quant scales (`KS` below; nb a multiple of 8): d holds ds fp16 [N, nb/8] and sc uint8 [N, nb];
 // m holds mq uint8 [⌈N/8⌉, nb, 8] and dm fp16 [⌈N/8⌉, nb/8, 8] (groups of 8 outputs as Q4_1's m):
 // d_b = ds[b/8]·sc[b], m_b = dm[b/8]·mq[b] (dm holds the file's −dmin).
+// Scales per 16 values (`Sub16` below): Q6_K qs as Q4_1's, q2 uint8 [N, nb·8], sc int8 [N, 2·nb], d ds fp16
+// [N, nb/8]; Q3_K qs the 2-bit plane uint8 [N, nb·8], qh uint32 [N, nb] (bit i: value i's third bit),
+// sc int8 [N, 2·nb], d ds fp16 [N, nb/8]; Q2_K qs the 2-bit plane, sc uint8 [N, 2·nb] (scale | min << 4),
+// d fp16 [N, nb/8, 2] (ds, dmin per super-block).
 struct Weights {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;  // nullptr for Q8_0
   int64_t nb;
   int64_t row_bytes;  // of qs
-  const uint32_t* qh = nullptr;  // Q5_1 / Q5_K only
-  const uint8_t* sc = nullptr;   // K-quant scales only (Q6_K: int8 [N, 2·nb], one per 16 values)
+  const uint32_t* qh = nullptr;  // Q5_1 / Q5_K / Q3_K only
+  const uint8_t* sc = nullptr;   // K-quant scales only (Q6_K / Q3_K / Q2_K: [N, 2·nb], one per 16 values)
   const uint16_t* dm = nullptr;  // K-quant scales only
   const uint8_t* q2 = nullptr;   // Q6_K only: [N, nb, 8] the values' bits 4-5 (`load_q6`)
   // K-quant minima formed once per chunk of outputs [o0, o0 + 64) (`expand_k_minima`): mf [8, nb, 8]
   // grouped as m (o0 a multiple of 8)
   const float* mf = nullptr;
   int64_t o0 = 0;
+  bool scales_per_16 = false;  // Q6_K / Q3_K / Q2_K: sc holds 2·nb scales a row
 };
+
+// 32 bytes, byte i = 0xFF where bit i of `bits` is set, else 0.
+inline __m256i bit_mask_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
 
 // 32 bytes, byte i = 0x10 where bit i of `bits` is set, else 0: the fifth bits of 32 values, to OR
 // into their low 4 bits. Q5_1's words: for a block pair (b, b+1) read as `tile` reads Q4_1 pairs
 // (bytes 0-15 values 0-15 of b, 16-31 values 0-15 of b+1; then values 16-31 of both), word b holds
 // the fifth bits of the first read (bits 0-15 of block b's, then bits 0-15 of b+1's) and word b+1
 // those of the second (bits 16-31 of b's, then of b+1's); a lone last block keeps its own word.
-inline __m256i high_bits(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
-}
+inline __m256i high_bits(uint32_t bits) { return _mm256_and_si256(bit_mask_bytes(bits), _mm256_set1_epi8(0x10)); }
 
 // A tile's activation rows. mt: the rows' Q4_1 minima terms for a chunk of outputs (`minima_terms`):
 // row j's term for output o at mt[j·mt_ld + o − mt_o0]; nullptr for Q8_0.
@@ -336,11 +348,11 @@ inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int
   if (w.sc == nullptr) {
     const char* scales = reinterpret_cast<const char*>(w.d + first * w.nb);
     for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
-  } else {  // K-quants: a 6-bit scale per block of 32 (Q6_K: an int8 per 16 values)
-    const int64_t per_row = w.q2 == nullptr ? w.nb : 2 * w.nb;
+  } else {  // K-quants: a 6-bit scale per block of 32 (Q6_K / Q3_K / Q2_K: a byte per 16 values)
+    const int64_t per_row = w.scales_per_16 ? 2 * w.nb : w.nb;
     const char* scales = reinterpret_cast<const char*>(w.sc + first * per_row);
     for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w.d + first * (w.nb / 8)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.d + first * (w.nb / 8)), _MM_HINT_T0);  // (Q2_K: d and dmin)
   }
   if (w.qh != nullptr) {
     const char* bits = reinterpret_cast<const char*>(w.qh + first * w.nb);
@@ -509,20 +521,38 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
     for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + x.minima_term(j, o + i);
 }
 
-// Q6_K block b of output o as 32 uint8 values q in 0..63 (the file's value + 32): the nibbles as
-// Q4_1's, and the 8 bytes of q2 where byte j holds the bits 4-5 of values j, j + 8, j + 16, j + 24
-// (bits 0-1, 2-3, 4-5, 6-7): broadcast to the four 8-byte quarters, quarter s shifted right by 2s.
-inline __m256i load_q6(const Weights& w, int64_t o, int64_t b) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
-  const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+// The layouts with a scale per 16 values (`tile_s16`).
+enum Sub16 { NO_SUB16 = 0, SUB16_Q6 = 6, SUB16_Q3 = 3, SUB16_Q2 = 2 };
+
+// 8 bytes where byte j holds 2-bit fields of values j, j + 8, j + 16, j + 24 (bits 0-1, 2-3, 4-5, 6-7)
+// -> those 32 values as bytes 0..3: broadcast to the four 8-byte quarters, quarter s shifted right by 2s.
+inline __m256i two_bit_values(const uint8_t* p) {
   int64_t bits;
-  std::memcpy(&bits, w.q2 + (o * w.nb + b) * 8, sizeof bits);
-  __m256i high = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
-  high = _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(3)), 4);  // bytes <= 3 before: none spills
-  return _mm256_or_si256(low, high);
+  std::memcpy(&bits, p, sizeof bits);
+  const __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
+  return _mm256_and_si256(v, _mm256_set1_epi8(3));
 }
 
-// Activation rows quantized in super-blocks of 256 (`quantize_super_block`), as `tile_q6` reads them.
+// Block b of output o as 32 unsigned values, in the order of the row's values:
+//   Q6_K q + 32 in 0..63: the nibbles as Q4_1's, bits 4-5 from q2 (`two_bit_values`);
+//   Q3_K q + 4 in 0..7: bits 0-1 from the plane qs, bit 2 from qh's word;
+//   Q2_K q in 0..3: the plane qs.
+template <int S16>
+inline __m256i load_sub16(const Weights& w, int64_t o, int64_t b) {
+  if constexpr (S16 == SUB16_Q6) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
+    const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    const __m256i high = _mm256_slli_epi16(two_bit_values(w.q2 + (o * w.nb + b) * 8), 4);  // bytes <= 3: none spills
+    return _mm256_or_si256(low, high);
+  } else if constexpr (S16 == SUB16_Q3) {
+    const __m256i low = two_bit_values(w.qs + o * w.row_bytes + b * 8);
+    return _mm256_or_si256(low, _mm256_and_si256(bit_mask_bytes(w.qh[o * w.nb + b]), _mm256_set1_epi8(4)));
+  } else {
+    return two_bit_values(w.qs + o * w.row_bytes + b * 8);
+  }
+}
+
+// Activation rows quantized in super-blocks of 256 (`quantize_super_block`), as `tile_s16` reads them.
 struct SuperActs {
   const int8_t* q;     // [T, K]
   const float* d;      // [T, K/256]
@@ -539,28 +569,38 @@ inline __m256i sub_block_scales(__m256i sc16, int b) {
                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
 }
 
-// Q6_K products of TO outputs and TN rows, as integers within each super-block of 256 (the scheme
-// ggml runs Q6_K with): per block of 32, maddubs of the unsigned values (q + 32, 0..63) with the
-// row's int8 values gives int16 pair sums (<= 2·63·127: no saturation), madd with the sub-block
-// scales sums them in int32 (<= 8 blocks · 2 · 16002 · 128 < 2³¹); the +32 comes off as
-// 32·Σ sc·(the row's sums of 16), also in integers; then one float step per super-block:
+// Q6_K / Q3_K / Q2_K products of TO outputs and TN rows, as integers within each super-block of 256
+// (the scheme ggml runs these types with): per block of 32, maddubs of the unsigned values
+// (`load_sub16`: Q6_K q + 32 in 0..63, Q3_K q + 4 in 0..7, Q2_K q in 0..3) with the row's int8
+// values gives int16 pair sums (<= 2·63·127: no saturation), madd with the sub-block scales sums
+// them in int32 (<= 8 blocks · 2 · 16002 · 128 < 2³¹); the offset comes off as 32·Σ sc·(the row's
+// sums of 16) (Q3_K: 4·Σ sc·sums), also in integers; then one float step per super-block:
 // acc += (ds·dx) · Σ (each int32 lane converted once: exact below 2²⁴, which only activations and
-// weights at their extremes together exceed; the lanes of the +32 term are other sub-blocks' than
-// the products', so it cancels in the lanes' sum). A row's operations are the same in every tile, so no row count changes a result.
-template <int TO, int TN>
-void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t N) {
+// weights at their extremes together exceed; the lanes of the offset term are other sub-blocks'
+// than the products', so it cancels in the lanes' sum). Q2_K's minima: acc −= (dmin·dx) · Σ mn·sums
+// (integers, exact). A row's operations are the same in every tile, so no row count changes a result.
+template <int S16, int TO, int TN>
+void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t N) {
   const int64_t nb = w.nb, nsb = nb / 8;
   prefetch_outputs(w, o + 2 * TO, TO, N);
-  const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc);
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    __m256i sc16[TO];
-    float ds[TO];
+    __m256i sc16[TO], mn16[TO];
+    float ds[TO], dmin[TO];
     for (int i = 0; i < TO; ++i) {
-      sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (o + i) * 2 * nb + sb * 16)));
-      ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (o + i) * 2 * nb + sb * 16));
+      if constexpr (S16 == SUB16_Q2) {
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        sc16[i] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+        mn16[i] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        ds[i] = half_to_float(w.d[((o + i) * nsb + sb) * 2]);
+        dmin[i] = half_to_float(w.d[((o + i) * nsb + sb) * 2 + 1]);
+      } else {
+        sc16[i] = _mm256_cvtepi8_epi16(raw);
+        ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
+      }
     }
     __m256i isum[TO][TN];
     for (int i = 0; i < TO; ++i)
@@ -568,7 +608,7 @@ void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t 
     for (int b = 0; b < 8; ++b) {
       __m256i wv[TO], scale[TO];
       for (int i = 0; i < TO; ++i) {
-        wv[i] = load_q6(w, o + i, sb * 8 + b);
+        wv[i] = load_sub16<S16>(w, o + i, sb * 8 + b);
         scale[i] = sub_block_scales(sc16[i], b);
       }
       for (int j = 0; j < TN; ++j) {
@@ -581,8 +621,15 @@ void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t 
       const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + j * (x.K / 16) + sb * 16));
       const float dx = x.d[j * nsb + sb];
       for (int i = 0; i < TO; ++i) {
-        const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), 5));
-        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(total), acc[i][j]);
+        if constexpr (S16 == SUB16_Q2) {
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
+          acc[i][j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin[i] * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mn16[i])),
+                                       acc[i][j]);
+        } else {
+          constexpr int shift = S16 == SUB16_Q6 ? 5 : 2;  // the offset 32 / 4
+          const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), shift));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(total), acc[i][j]);
+        }
       }
     }
   }
@@ -590,11 +637,11 @@ void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t 
     for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]);
 }
 
-template <int TO, int TN>
-void tile_q6_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x, float* y, int64_t N) {
+template <int S16, int TO, int TN>
+void tile_s16_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x, float* y, int64_t N) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) tile_q6<TO, TN>(w, o, x, y, N);
-  for (; o < o1; ++o) tile_q6<1, TN>(w, o, x, y, N);
+  for (; o + TO <= o1; o += TO) tile_s16<S16, TO, TN>(w, o, x, y, N);
+  for (; o < o1; ++o) tile_s16<S16, 1, TN>(w, o, x, y, N);
 }
 
 template <int TO, int TN>
@@ -767,14 +814,16 @@ constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 constexpr int64_t SCRATCH_PER_BLOCK = cmax(cmax(ROW_TILE_OUTS * 5, 1 * 2), cmax(2 * 4, 4 * 3));
 
 // Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm);
-// S6: Q6_K (qs, q2 passed as qh, d: ds, sc).
-template <bool Q41, bool H5 = false, bool KS = false, bool S6 = false>
+// S16: a layout with a scale per 16 values (`Sub16`): Q6_K (qs, q2 passed as qh, d: ds, sc), Q3_K
+// (qs: the 2-bit plane, qh: the third bits, d: ds, sc), Q2_K (qs: the 2-bit plane, d: ds and dmin, sc).
+template <bool Q41, bool H5 = false, bool KS = false, int S16 = NO_SUB16>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
                    double eps, const std::optional<torch::Tensor>& residual, const torch::Tensor& qh = torch::Tensor(),
                    const torch::Tensor& sc = torch::Tensor(), const torch::Tensor& dm = torch::Tensor()) {
   static_assert(Q41 || (!H5 && !KS), "fifth bits and K-quant scales belong to blocks with minima");
-  static_assert(!S6 || (!Q41 && !H5 && !KS), "Q6_K is a layout of its own");
+  static_assert(S16 == NO_SUB16 || (!Q41 && !H5 && !KS), "scales per 16 values are layouts of their own");
+  constexpr bool S6 = S16 == SUB16_Q6, S3 = S16 == SUB16_Q3, S2 = S16 == SUB16_Q2, SUB = S16 != NO_SUB16;
   const torch::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(),
               "activations must be a float32 CPU matrix [T, K]");
@@ -783,20 +832,27 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const int64_t T = x.size(0), K = mode == SWIGLU ? x.size(1) / 2 : x.size(1), nb = K / QK, n = qs.size(0);
   TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  const int64_t row_bytes = Q41 || S6 ? nb * 16 : K;
+  const int64_t row_bytes = Q41 || S6 ? nb * 16 : S3 || S2 ? nb * 8 : K;
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
               "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
-  if (S6) {
+  if (SUB) {
     TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
-    TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() && qh.is_cpu() &&
-                    qh.size(0) == n && qh.size(1) == nb * 8,
-                "Q6_K high bits q2 must be contiguous uint8 [N, K/4]");
+    if (S6)
+      TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
+                      qh.is_cpu() && qh.size(0) == n && qh.size(1) == nb * 8,
+                  "Q6_K high bits q2 must be contiguous uint8 [N, K/4]");
+    if (S3)
+      TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kInt32 && qh.is_contiguous() &&
+                      qh.is_cpu() && qh.size(0) == n && qh.size(1) == nb,
+                  "Q3_K third bits qh must be contiguous int32 [N, K/32]");
     TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
-                    d.size(1) == nb / 8,
-                "super-block scales ds must be contiguous float16 [N, K/256]");
-    TORCH_CHECK(sc.defined() && sc.dim() == 2 && sc.scalar_type() == torch::kInt8 && sc.is_contiguous() && sc.is_cpu() &&
-                    sc.size(0) == n && sc.size(1) == 2 * nb,
-                "Q6_K sub-block scales sc must be contiguous int8 [N, K/16]");
+                    d.size(1) == (S2 ? nb / 4 : nb / 8),
+                S2 ? "super-block scales (ds, dmin) must be contiguous float16 [N, K/128]"
+                   : "super-block scales ds must be contiguous float16 [N, K/256]");
+    TORCH_CHECK(sc.defined() && sc.dim() == 2 && sc.scalar_type() == (S2 ? torch::kUInt8 : torch::kInt8) &&
+                    sc.is_contiguous() && sc.is_cpu() && sc.size(0) == n && sc.size(1) == 2 * nb,
+                S2 ? "Q2_K sub-block scales and minima sc must be contiguous uint8 [N, K/16]"
+                   : "sub-block scales sc must be contiguous int8 [N, K/16]");
   } else if (KS) {
     TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
     TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
@@ -839,16 +895,17 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
   const QuantizedRows xq = quantize_rows(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr,
-                                         static_cast<float>(eps), S6 || KS);
-  const Weights w_all{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                  Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
-                  H5 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
-                  KS || S6 ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
-                  KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr,
-                  S6 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
+                                         static_cast<float>(eps), SUB || KS);
+  Weights w_all{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
+                H5 || S3 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
+                KS || SUB ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
+                KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr,
+                S6 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
+  w_all.scales_per_16 = SUB;
   const int8_t* qx = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
-  const SuperActs super_rows{qx, dx, S6 || KS ? xq.sums.data_ptr<int16_t>() : nullptr, K};
+  const SuperActs super_rows{qx, dx, SUB || KS ? xq.sums.data_ptr<int16_t>() : nullptr, K};
   // K-quants' minima terms take each block's dx·Σq from the super-block's dx and sums of 16
   std::vector<float> k_sx(KS ? T * nb : 0);
   if constexpr (KS)
@@ -900,14 +957,14 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       const Acts all{qx, dx, sx, K, nb, chunk_minima ? minima.data() : nullptr, c1 - c0, c0};
       const auto pairs_from = [&](int64_t t) { return PairedActs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8}; };
       int64_t t = 0;
-      if constexpr (S6) {
+      if constexpr (SUB) {
         for (; t + 4 <= T; t += 4)
-          tile_q6_rows<1, 4>(w, c0, c1, super_rows.rows_from(t), yp + t * n, n);
+          tile_s16_rows<S16, 1, 4>(w, c0, c1, super_rows.rows_from(t), yp + t * n, n);
         const SuperActs rest = super_rows.rows_from(t);
         switch (T - t) {
-          case 3: tile_q6_rows<1, 3>(w, c0, c1, rest, yp + t * n, n); break;
-          case 2: tile_q6_rows<2, 2>(w, c0, c1, rest, yp + t * n, n); break;
-          case 1: tile_q6_rows<1, 1>(w, c0, c1, rest, yp + t * n, n); break;
+          case 3: tile_s16_rows<S16, 1, 3>(w, c0, c1, rest, yp + t * n, n); break;
+          case 2: tile_s16_rows<S16, 2, 2>(w, c0, c1, rest, yp + t * n, n); break;
+          case 1: tile_s16_rows<S16, 1, 1>(w, c0, c1, rest, yp + t * n, n); break;
           default: break;
         }
       } else if constexpr (KS) {
@@ -978,7 +1035,19 @@ torch::Tensor gemm_q5_k(const torch::Tensor& x, const torch::Tensor& qs, const t
 torch::Tensor gemm_q6_k(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& q2, const torch::Tensor& ds,
                         const torch::Tensor& sc, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
                         double eps, const std::optional<torch::Tensor>& residual) {
-  return gemm<false, false, false, true>(x, qs, ds, ds, prologue, norm_weight, eps, residual, q2, sc);
+  return gemm<false, false, false, SUB16_Q6>(x, qs, ds, ds, prologue, norm_weight, eps, residual, q2, sc);
+}
+
+torch::Tensor gemm_q3_k(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& ds,
+                        const torch::Tensor& sc, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
+                        double eps, const std::optional<torch::Tensor>& residual) {
+  return gemm<false, false, false, SUB16_Q3>(x, qs, ds, ds, prologue, norm_weight, eps, residual, qh, sc);
+}
+
+torch::Tensor gemm_q2_k(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& sc,
+                        int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
+                        const std::optional<torch::Tensor>& residual) {
+  return gemm<false, false, false, SUB16_Q2>(x, qs, d, d, prologue, norm_weight, eps, residual, torch::Tensor(), sc);
 }
 
 torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, int64_t prologue,
@@ -1030,12 +1099,13 @@ inline uint16_t scaled_half(uint16_t d, float factor, bool* overflow) {
   return h;
 }
 
-enum class Stored { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Unknown };
+enum class Stored { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Unknown };
 
 Stored stored_type(const std::string& t) {
   return t == "Q4_0" ? Stored::Q4_0 : t == "Q4_1" ? Stored::Q4_1 : t == "Q5_0" ? Stored::Q5_0
          : t == "Q5_1" ? Stored::Q5_1 : t == "Q8_0" ? Stored::Q8_0 : t == "Q4_K" ? Stored::Q4_K
-         : t == "Q5_K" ? Stored::Q5_K : t == "Q6_K" ? Stored::Q6_K : Stored::Unknown;
+         : t == "Q5_K" ? Stored::Q5_K : t == "Q6_K" ? Stored::Q6_K : t == "Q3_K" ? Stored::Q3_K
+         : t == "Q2_K" ? Stored::Q2_K : Stored::Unknown;
 }
 
 // one row of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks (32 values each)
@@ -1140,6 +1210,56 @@ void repack_q6_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint8_t* q2, 
   }
 }
 
+// 32 values of a block (each 0..3) -> the 8 bytes `two_bit_values` reads: byte j holds values j,
+// j + 8, j + 16, j + 24 at bits 0-1, 2-3, 4-5, 6-7.
+inline void two_bit_plane(const uint8_t* v, uint8_t* out) {
+  for (int j = 0; j < 8; ++j) out[j] = v[j] | (v[j + 8] << 2) | (v[j + 16] << 4) | (v[j + 24] << 6);
+}
+
+// one row of Q3_K super-blocks (256 values: 32 bytes of high-bit masks, 64 of 2-bit pairs, 12 of
+// 6-bit scales, d), as ggml's dequantize_row_q3_K reads them: value v (v = 128h + 32j + l) has its low
+// bits at bits 2j of byte 32h + l and its third bit at bit 4h + j of mask byte l (set: q + 4 >= 4),
+// so block 4h + j's plane and third-bit word; the scales less 32 as int8
+void repack_q3_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint32_t* qh, uint16_t* ds, int8_t* sc) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* x = src + s * 110;
+    const uint8_t *hm = x, *q = x + 32, *b = x + 96;
+    for (int blk = 0; blk < 8; ++blk) {
+      const int h = blk / 4, j = blk % 4;
+      uint8_t v[32];
+      uint32_t word = 0;
+      for (int l = 0; l < 32; ++l) {
+        v[l] = (q[32 * h + l] >> (2 * j)) & 3;
+        word |= uint32_t((hm[l] >> blk) & 1) << l;
+      }
+      two_bit_plane(v, qs + (s * 8 + blk) * 8);
+      qh[s * 8 + blk] = word;
+    }
+    for (int i = 0; i < 16; ++i) {
+      const int low = i < 8 ? b[i] & 0x0F : b[i - 8] >> 4, high = (b[8 + i % 4] >> (2 * (i / 4))) & 3;
+      sc[s * 16 + i] = static_cast<int8_t>((low | (high << 4)) - 32);
+    }
+    ds[s] = load_u16(x + 108);
+  }
+}
+
+// one row of Q2_K super-blocks (256 values: 16 bytes of 4-bit scale | min << 4, 64 of 2-bit pairs, d,
+// dmin), as ggml's dequantize_row_q2_K reads them: value 128h + 32j + l at bits 2j of byte 32h + l
+void repack_q2_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint16_t* d, uint8_t* sc) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* x = src + s * 84;
+    const uint8_t* q = x + 16;
+    for (int blk = 0; blk < 8; ++blk) {
+      const int h = blk / 4, j = blk % 4;
+      uint8_t v[32];
+      for (int l = 0; l < 32; ++l) v[l] = (q[32 * h + l] >> (2 * j)) & 3;
+      two_bit_plane(v, qs + (s * 8 + blk) * 8);
+    }
+    std::memcpy(sc + s * 16, x, 16);
+    d[2 * s] = load_u16(x + 80), d[2 * s + 1] = load_u16(x + 82);
+  }
+}
+
 template <typename T>
 T* rows_of(const std::optional<torch::Tensor>& t, int64_t row0, const char* name, int64_t n) {
   TORCH_CHECK(t.has_value() && t->is_contiguous() && t->dim() >= 1 && t->size(0) == n, "repack: ", name,
@@ -1156,11 +1276,12 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const Stored type = stored_type(type_name);
   const int64_t n = qs.size(0), r = raw.size(0), bytes = raw.size(1);
   TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
-  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 0};
+  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 0};
   const int64_t block_bytes = kBlockBytes[static_cast<int>(type)];
   TORCH_CHECK(block_bytes > 0, "repack: no block-kernel layout for GGUF type ", type_name);
   TORCH_CHECK(bytes % block_bytes == 0, "repack: a row of ", bytes, " bytes is not whole ", type_name, " blocks");
   const bool legacy = block_bytes <= 34, q8 = type == Stored::Q8_0, q6 = type == Stored::Q6_K;
+  const bool q3 = type == Stored::Q3_K, q2k = type == Stored::Q2_K;
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
   const int64_t nb = legacy ? blocks : blocks * 8;  // blocks of 32 per row
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
@@ -1168,10 +1289,10 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   uint16_t* d_p = rows_of<uint16_t>(d_opt, row0, "d", n);
   uint16_t* m_p = m.has_value() ? rows_of<uint16_t>(m, row0, "m", n) : nullptr;
   uint32_t* qh_p = qh.has_value() ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
-  TORCH_CHECK(qs.numel() / n == (q8 ? nb * 32 : nb * 16), "repack: qs has the wrong width");
-  TORCH_CHECK(d.numel() / n == blocks, "repack: d has the wrong width");
-  TORCH_CHECK(m_p != nullptr || q8 || q6, "repack: ", type_name, " needs m");
-  TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
+  TORCH_CHECK(qs.numel() / n == (q8 ? nb * 32 : q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
+  TORCH_CHECK(d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
+  TORCH_CHECK(m_p != nullptr || q8 || q6 || q3 || q2k, "repack: ", type_name, " needs m");
+  TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K || q3),
               "repack: ", type_name, " needs qh");
   TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
   TORCH_CHECK(qh_p == nullptr || qh->numel() / n == nb, "repack: qh has the wrong width");
@@ -1182,6 +1303,9 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   } else if (q6) {
     sc_p = rows_of<uint8_t>(sc, row0, "sc", n), q2_p = rows_of<uint8_t>(q2, row0, "q2", n);
     TORCH_CHECK(sc->numel() / n == blocks * 16 && q2->numel() / n == nb * 8, "repack: sc / q2 have the wrong width");
+  } else if (q3 || q2k) {
+    sc_p = rows_of<uint8_t>(sc, row0, "sc", n);
+    TORCH_CHECK(sc->numel() / n == blocks * 16, "repack: sc has the wrong width");
   }
   const uint8_t* src = raw.data_ptr<uint8_t>();
   std::atomic<int64_t> bad{0};
@@ -1195,6 +1319,11 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
       } else if (q6) {
         repack_q6_k_row(row, blocks, qs_p + i * nb * 16, q2_p + i * nb * 8, d_p + i * blocks,
                         reinterpret_cast<int8_t*>(sc_p) + i * blocks * 16);
+      } else if (q3) {
+        repack_q3_k_row(row, blocks, qs_p + i * nb * 8, qh_p + i * nb, d_p + i * blocks,
+                        reinterpret_cast<int8_t*>(sc_p) + i * blocks * 16);
+      } else if (q2k) {
+        repack_q2_k_row(row, blocks, qs_p + i * nb * 8, d_p + i * 2 * blocks, sc_p + i * blocks * 16);
       } else {
         repack_k_row(type == Stored::Q5_K, row, blocks, qs_p + i * nb * 16, d_p + i * blocks, m_p + i * blocks,
                      sc_p + i * nb, mq_p + i * nb, qh_p ? qh_p + i * nb : nullptr);
@@ -1269,6 +1398,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q5_k", &gemm_q5_k, "y [T, N] = x [T, K] float32 times Q5_K values (gemm_q4_k's arrays and the fifth bits qh int32 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q6_k", &gemm_q6_k, "y [T, N] = x [T, K] float32 times Q6_K values (qs uint8 [N, K/2] low nibbles as Q4_1's, q2 uint8 [N, K/4] bits 4-5, ds fp16 [N, K/256], sc int8 [N, K/16])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q3_k", &gemm_q3_k, "y [T, N] = x [T, K] float32 times Q3_K values (qs uint8 [N, K/4] bits 0-1 as gemm_q6_k's q2, qh int32 [N, K/32] bit 2, ds fp16 [N, K/256], sc int8 [N, K/16])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q2_k", &gemm_q2_k, "y [T, N] = x [T, K] float32 times Q2_K values (qs uint8 [N, K/4] as gemm_q6_k's q2, d fp16 [N, K/128] (ds, dmin) per 256, sc uint8 [N, K/16] scale | min << 4)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
