@@ -63,6 +63,18 @@ def zoo_type(name: str, k: int) -> str | None:
     return None
 
 
+def low_bit_type(name: str, k: int) -> str | None:
+    """llama-quantize's Q2_K / Q3_K_M presets on SmolLM2 with the K-quants forced where rows fit:
+    ffn_down (1536 inputs) Q2_K in even layers and Q3_K in odd ones, every other matrix Q4_0 (the
+    presets' fall-back for 576-wide rows), the embedding as it is."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if not m or m[2] in ("attn_norm", "ffn_norm"):
+        return None
+    if m[2] == "ffn_down" and k % 256 == 0:
+        return "Q3_K" if int(m[1]) % 2 else "Q2_K"
+    return "Q4_0"
+
+
 def k_quant_type(name: str, k: int) -> str | None:
     """A Q4_K_M-like rule: Q4_K where a row is a multiple of 256, else Q5_0; attn_v and ffn_down Q6_K
     where they fit, else Q8_0; the embedding Q8_0."""
