@@ -176,10 +176,12 @@ class BlockWeights:
           (bits 4-5: per block of 32, byte j holds those of values j, j + 8, j + 16, j + 24 at bits
           0-1, 2-3, 4-5, 6-7), d float16 [N, K/256] (ds) and sc int8 [N, K/16] (a scale per 16
           values), m None: w = ds·sc·(q − 32).
-    q3_k: GGUF Q3_K (K a multiple of 256): qs uint8 [N, K/4] the values' bits 0-1 (arranged as q6_k's
-          q2), qh int32 [N, K/32] (per block of 32, bit j = value j's bit 2), d float16 [N, K/256] (ds),
-          sc int8 [N, K/16] (the file's 6-bit scales − 32), m None: w = ds·sc·(q − 4), q in 0..7.
-    q2_k: GGUF Q2_K (K a multiple of 256): qs uint8 [N, K/4] the values (0..3, arranged as q6_k's q2),
+    q3_k: GGUF Q3_K (K a multiple of 256): qs uint8 [N, K/4] the values' bits 0-1 as the file stores
+          them (per super-block 64 bytes: value 128h + 32j + l at bits 2j of byte 32h + l), q2 uint8
+          [N, K/8] their bit 2 as the file's masks (per super-block 32 bytes: that value's at bit
+          4h + j of byte l), d float16 [N, K/256] (ds), sc int8 [N, K/16] (the file's 6-bit scales − 32),
+          m None: w = ds·sc·(q − 4), q in 0..7.
+    q2_k: GGUF Q2_K (K a multiple of 256): qs uint8 [N, K/4] the values (0..3, as q3_k's qs),
           d float16 [N, K/128] (per super-block ds then dmin), sc uint8 [N, K/16] (per 16 values the
           file's byte: scale in bits 0-3, minimum in bits 4-7), m None: w = ds·sc·q − dmin·mn.
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
@@ -191,10 +193,10 @@ class BlockWeights:
     m: torch.Tensor | None
     n: int
     k: int
-    qh: torch.Tensor | None = None  # q5_1 / q5_k / q3_k only
+    qh: torch.Tensor | None = None  # q5_1 / q5_k only
     sc: torch.Tensor | None = None  # q4_k / q5_k / q6_k / q3_k / q2_k only
     dm: torch.Tensor | None = None  # q4_k / q5_k only
-    q2: torch.Tensor | None = None  # q6_k only
+    q2: torch.Tensor | None = None  # q6_k / q3_k only
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -207,7 +209,7 @@ class BlockWeights:
         return {"q4_1": (self.qs, self.d, self.m), "q5_1": (self.qs, self.qh, self.d, self.m),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
-                "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.qh, self.d, self.sc),
+                "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
                 "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d)}[self.kind]
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -216,10 +218,9 @@ class BlockWeights:
         if self.kind == "q8_0":
             return self.qs, self.d.float(), None
         if self.kind in ("q3_k", "q2_k"):
-            q = unpack_two_bit_planes(self.qs, self.n, self.k)
+            q = unpack_k_fields(self.qs, self.n, self.k)
             if self.kind == "q3_k":
-                bits = (self.qh.long() & 0xFFFFFFFF).unsqueeze(-1) >> torch.arange(BLOCK)  # [N, nb, 32]
-                q = (q | ((bits & 1).to(torch.uint8).reshape(self.n, self.k) << 2)).to(torch.int8) - 4
+                q = (q | (unpack_k_masks(self.q2, self.n, self.k) << 2)).to(torch.int8) - 4
                 return q, self.d.float().repeat_interleave(16, dim=1) * self.sc.float(), None
             dd = self.d.float().view(self.n, -1, 2).repeat_interleave(16, dim=1)  # [N, K/16, (ds, dmin)]
             sc = self.sc.long()
@@ -289,19 +290,35 @@ def two_bit_planes(q: torch.Tensor) -> torch.Tensor:
     return (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, k // 4)
 
 
-def unpack_two_bit_planes(planes: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The inverse of `two_bit_planes` on bits 0-1: uint8 [N, K/4] -> values uint8 [N, K] in 0..3."""
+def unpack_k_fields(fields: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q2_K / Q3_K's 2-bit fields as the file stores them (uint8 [N, K/4]: per super-block 64 bytes,
+    value 128h + 32j + l at bits 2j of byte 32h + l) -> values uint8 [N, K] in 0..3."""
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-    return ((planes.view(n, k // BLOCK, 1, 8) >> shifts) & 3).reshape(n, k)
+    return ((fields.view(n, k // SUPER_BLOCK, 2, 1, 32) >> shifts) & 3).reshape(n, k)
 
 
-def bit_words(bits: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] of 0 / 1 -> int32 [N, K/32]: per block of 32, bit j = value j's (natural order)."""
-    import numpy as np
+def pack_k_fields(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of `unpack_k_fields`: uint8 [N, K] in 0..3 -> [N, K/4]."""
+    n, k = q.shape
+    v = q.to(torch.uint8).view(n, k // SUPER_BLOCK, 2, 4, 32)
+    return (v[:, :, :, 0] | (v[:, :, :, 1] << 2) | (v[:, :, :, 2] << 4) | (v[:, :, :, 3] << 6)).reshape(n, k // 4)
 
+
+def unpack_k_masks(masks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q3_K's third-bit masks as the file stores them (uint8 [N, K/8]: per super-block 32 bytes, value
+    32b + l's bit at bit b of byte l) -> bits uint8 [N, K] in 0..1."""
+    shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+    return ((masks.view(n, k // SUPER_BLOCK, 1, 32) >> shifts) & 1).reshape(n, k)
+
+
+def pack_k_masks(bits: torch.Tensor) -> torch.Tensor:
+    """The inverse of `unpack_k_masks`: uint8 [N, K] of 0 / 1 -> [N, K/8]."""
     n, k = bits.shape
-    b = bits.to(torch.uint8).view(n, k // BLOCK, BLOCK).numpy()
-    return torch.from_numpy(np.packbits(b, axis=-1, bitorder="little").view("<u4").view(np.int32).reshape(n, k // BLOCK).copy())
+    v = bits.to(torch.uint8).view(n, k // SUPER_BLOCK, 8, 32)
+    out = torch.zeros(n, k // SUPER_BLOCK, 32, dtype=torch.uint8)
+    for b in range(8):
+        out |= v[:, :, b] << b
+    return out.reshape(n, k // 8)
 
 
 def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:
@@ -347,8 +364,8 @@ def pack_q3_k(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeigh
     if k % 256:
         raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
     u = (q.to(torch.int16) + 4).to(torch.uint8)
-    return BlockWeights("q3_k", two_bit_planes((u & 3) << 4).contiguous(), _exact_half(ds, "ds"), None, n, k,
-                        qh=bit_words((u >> 2) & 1), sc=sc.to(torch.int8).contiguous())
+    return BlockWeights("q3_k", pack_k_fields(u & 3), _exact_half(ds, "ds"), None, n, k,
+                        sc=sc.to(torch.int8).contiguous(), q2=pack_k_masks(u >> 2))
 
 
 def pack_q2_k(q: torch.Tensor, ds: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> BlockWeights:
@@ -358,7 +375,7 @@ def pack_q2_k(q: torch.Tensor, ds: torch.Tensor, dmin: torch.Tensor, sc: torch.T
     if k % 256:
         raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
     d = torch.stack([_exact_half(ds, "ds"), _exact_half(dmin, "dmin")], dim=-1).reshape(n, -1).contiguous()
-    return BlockWeights("q2_k", two_bit_planes(q.to(torch.uint8) << 4).contiguous(), d, None, n, k,
+    return BlockWeights("q2_k", pack_k_fields(q), d, None, n, k,
                         sc=(sc.to(torch.uint8) | (mn.to(torch.uint8) << 4)).contiguous())
 
 

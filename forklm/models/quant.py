@@ -349,10 +349,9 @@ def stored_block_weights(parts: list[GGMLWeights]):
     in the high one); Q4_0 becomes Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact;
     ValueError where the minimum overflows float16); Q4_K / Q5_K values take Q4_1's nibble order
     with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
-    5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's low 2 bits in
-    such a plane and its third bits a word per 32 values, its scales an int8 per 16 (3.56 bits a weight
-    against the file's 3.44); Q2_K's values in such a plane beside the file's scale / minimum bytes (as
-    stored: 2.63 bits)."""
+    5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
+    2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
+    against the file's 3.44), Q2_K's scale / minimum bytes as stored (2.63 bits, as the file)."""
     from forklm.kernels import block_gemm
 
     kind = block_kernel_kind([p.type_name for p in parts])
@@ -365,8 +364,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
     qs = torch.empty(n, k if kind == "q8_0" else k // 4 if two_bit else k // 2, dtype=torch.uint8)
     d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
     m = None if kind in ("q8_0", "q6_k", "q3_k", "q2_k") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
-    # 4-bit parts of a q5 layout: fifth bits 0; q3_k: the third bits
-    qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k", "q3_k") else None
+    qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
     sc = mq = q2 = None
     if kind in ("q4_k", "q5_k"):
         sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
@@ -374,6 +372,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
         sc, q2 = torch.empty(n, k // 16, dtype=torch.int8), torch.empty(n, k // 4, dtype=torch.uint8)
     elif two_bit:
         sc = torch.empty(n, k // 16, dtype=torch.int8 if kind == "q3_k" else torch.uint8)
+        q2 = torch.empty(n, k // 8, dtype=torch.uint8) if kind == "q3_k" else None  # Q3_K's third-bit masks
     for row0, raw, part in _stored_rows(parts):
         if raw.shape[0] == 0:
             continue
@@ -386,7 +385,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if kind == "q6_k":
         return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
     if two_bit:
-        return block_gemm.BlockWeights(kind, qs, d, None, n, k, qh=qh, sc=sc)
+        return block_gemm.BlockWeights(kind, qs, d, None, n, k, sc=sc, q2=q2)
     if kind in ("q4_k", "q5_k"):
         return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
                                        block_gemm.block_minima(m))

@@ -11,10 +11,10 @@
 //   Q5_K  Q5_1's values with the K-quants' scales
 //   Q6_K  w = ds·sc·q, q in −32..31 (4 low bits as Q4_1's nibbles, 2 high bits in q2), sc an int8
 //         per 16 values under a float16 ds per 256 (`tile_s16`)
-//   Q3_K  w = ds·sc·q, q in −4..3 (2 low bits in a plane as Q6_K's q2, the third bit a word per 32
-//         values), sc an int8 per 16 values (the file's 6-bit scale − 32) under a float16 ds per 256
-//   Q2_K  w = ds·sc·q − dmin·mn, q in 0..3 (a plane as Q6_K's q2), sc and mn 4 bits each per 16
-//         values (the file's byte), ds and dmin float16 per 256
+//   Q3_K  w = ds·sc·q, q in −4..3 (the file's 2-bit fields and third-bit masks as stored), sc an int8
+//         per 16 values (the file's 6-bit scale − 32) under a float16 ds per 256
+//   Q2_K  w = ds·sc·q − dmin·mn, q in 0..3 (the file's 2-bit fields as stored), sc and mn 4 bits each
+//         per 16 values (the file's byte), ds and dmin float16 per 256
 //   Q8_0  w = d·q, q int8
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
@@ -195,19 +195,20 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, co
 // m holds mq uint8 [⌈N/8⌉, nb, 8] and dm fp16 [⌈N/8⌉, nb/8, 8] (groups of 8 outputs as Q4_1's m):
 // d_b = ds[b/8]·sc[b], m_b = dm[b/8]·mq[b] (dm holds the file's −dmin).
 // Scales per 16 values (`Sub16` below): Q6_K qs as Q4_1's, q2 uint8 [N, nb·8], sc int8 [N, 2·nb], d ds fp16
-// [N, nb/8]; Q3_K qs the 2-bit plane uint8 [N, nb·8], qh uint32 [N, nb] (bit i: value i's third bit),
-// sc int8 [N, 2·nb], d ds fp16 [N, nb/8]; Q2_K qs the 2-bit plane, sc uint8 [N, 2·nb] (scale | min << 4),
-// d fp16 [N, nb/8, 2] (ds, dmin per super-block).
+// [N, nb/8]; Q3_K qs uint8 [N, nb·8] (per super-block the file's 64 bytes of 2-bit fields: value
+// 128h + 32j + l at bits 2j of byte 32h + l), q2 uint8 [N, nb·4] (the file's 32 bytes of third-bit masks:
+// that value's at bit 4h + j of byte l), sc int8 [N, 2·nb], d ds fp16 [N, nb/8]; Q2_K qs as Q3_K's, sc
+// uint8 [N, 2·nb] (scale | min << 4), d fp16 [N, nb/8, 2] (ds, dmin per super-block).
 struct Weights {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;  // nullptr for Q8_0
   int64_t nb;
   int64_t row_bytes;  // of qs
-  const uint32_t* qh = nullptr;  // Q5_1 / Q5_K / Q3_K only
+  const uint32_t* qh = nullptr;  // Q5_1 / Q5_K only
   const uint8_t* sc = nullptr;   // K-quant scales only (Q6_K / Q3_K / Q2_K: [N, 2·nb], one per 16 values)
   const uint16_t* dm = nullptr;  // K-quant scales only
-  const uint8_t* q2 = nullptr;   // Q6_K only: [N, nb, 8] the values' bits 4-5 (`load_q6`)
+  const uint8_t* q2 = nullptr;   // Q6_K: [N, nb, 8] the values' bits 4-5; Q3_K: the third-bit masks
   // K-quant minima formed once per chunk of outputs [o0, o0 + 64) (`expand_k_minima`): mf [8, nb, 8]
   // grouped as m (o0 a multiple of 8)
   const float* mf = nullptr;
@@ -358,9 +359,10 @@ inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int
     const char* bits = reinterpret_cast<const char*>(w.qh + first * w.nb);
     for (int64_t off = 0; off < count * w.nb * 4; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
   }
-  if (w.q2 != nullptr) {
-    const char* bits = reinterpret_cast<const char*>(w.q2 + first * w.nb * 8);
-    for (int64_t off = 0; off < count * w.nb * 8; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
+  if (w.q2 != nullptr) {  // Q6_K: 8 bytes per block of 32, Q3_K: 4 (row_bytes: nb·16 and nb·8)
+    const int64_t per_row = w.row_bytes / 2;
+    const char* bits = reinterpret_cast<const char*>(w.q2 + first * per_row);
+    for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
   }
 }
 
@@ -533,22 +535,27 @@ inline __m256i two_bit_values(const uint8_t* p) {
   return _mm256_and_si256(v, _mm256_set1_epi8(3));
 }
 
-// Block b of output o as 32 unsigned values, in the order of the row's values:
-//   Q6_K q + 32 in 0..63: the nibbles as Q4_1's, bits 4-5 from q2 (`two_bit_values`);
-//   Q3_K q + 4 in 0..7: bits 0-1 from the plane qs, bit 2 from qh's word;
-//   Q2_K q in 0..3: the plane qs.
+// Q6_K block b of output o as 32 unsigned values q + 32 in 0..63, in the order of the row's values:
+// the nibbles as Q4_1's, bits 4-5 from q2 (`two_bit_values`).
+inline __m256i load_q6(const Weights& w, int64_t o, int64_t b) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
+  const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_slli_epi16(two_bit_values(w.q2 + (o * w.nb + b) * 8), 4);  // bytes <= 3: none spills
+  return _mm256_or_si256(low, high);
+}
+
+// Q3_K / Q2_K block 4h + j of a super-block as 32 unsigned values (Q2_K q in 0..3, Q3_K q + 4 in
+// 0..7): bits 2j of the half's 32 bytes of 2-bit fields, and (Q3_K) bit 4h + j of the mask bytes as 4.
 template <int S16>
-inline __m256i load_sub16(const Weights& w, int64_t o, int64_t b) {
-  if constexpr (S16 == SUB16_Q6) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
-    const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-    const __m256i high = _mm256_slli_epi16(two_bit_values(w.q2 + (o * w.nb + b) * 8), 4);  // bytes <= 3: none spills
-    return _mm256_or_si256(low, high);
-  } else if constexpr (S16 == SUB16_Q3) {
-    const __m256i low = two_bit_values(w.qs + o * w.row_bytes + b * 8);
-    return _mm256_or_si256(low, _mm256_and_si256(bit_mask_bytes(w.qh[o * w.nb + b]), _mm256_set1_epi8(4)));
+inline __m256i low_bit_values(__m256i fields, __m256i masks, int j, int bit) {
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi16(fields, 2 * j), _mm256_set1_epi8(3));
+  if constexpr (S16 == SUB16_Q2) {
+    return low;
   } else {
-    return two_bit_values(w.qs + o * w.row_bytes + b * 8);
+    const __m256i hit = _mm256_and_si256(masks, _mm256_set1_epi8(static_cast<char>(1 << bit)));  // 1 << bit or 0
+    // moved to bit 2 within each byte (a masked bit never crosses into the next byte)
+    const __m256i third = bit >= 2 ? _mm256_srli_epi16(hit, bit - 2) : _mm256_slli_epi16(hit, 2 - bit);
+    return _mm256_or_si256(low, third);
   }
 }
 
@@ -561,17 +568,9 @@ struct SuperActs {
   SuperActs rows_from(int64_t t) const { return SuperActs{q + t * K, d + t * (K / QKK), sums + t * (K / 16), K}; }
 };
 
-// int16 lanes 0-7 = scale of sub-block 2b, lanes 8-15 = of 2b + 1, from a super-block's 16 scales
-// as int16 (the halves of block b's int16 pair sums from maddubs: values 0-15, then 16-31).
-inline __m256i sub_block_scales(__m256i sc16, int b) {
-  const __m256i pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(b));
-  return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                    2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
-}
-
 // Q6_K / Q3_K / Q2_K products of TO outputs and TN rows, as integers within each super-block of 256
 // (the scheme ggml runs these types with): per block of 32, maddubs of the unsigned values
-// (`load_sub16`: Q6_K q + 32 in 0..63, Q3_K q + 4 in 0..7, Q2_K q in 0..3) with the row's int8
+// (`load_q6`: q + 32 in 0..63; `low_bit_values`: Q3_K q + 4 in 0..7, Q2_K q in 0..3) with the row's int8
 // values gives int16 pair sums (<= 2·63·127: no saturation), madd with the sub-block scales sums
 // them in int32 (<= 8 blocks · 2 · 16002 · 128 < 2³¹); the offset comes off as 32·Σ sc·(the row's
 // sums of 16) (Q3_K: 4·Σ sc·sums), also in integers; then one float step per super-block:
@@ -605,16 +604,36 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
     __m256i isum[TO][TN];
     for (int i = 0; i < TO; ++i)
       for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
-    for (int b = 0; b < 8; ++b) {
-      __m256i wv[TO], scale[TO];
+    __m256i masks[TO];  // Q3_K: the super-block's third-bit masks
+    if constexpr (S16 == SUB16_Q3)
+      for (int i = 0; i < TO; ++i)
+        masks[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q2 + (o + i) * (w.row_bytes / 2) + sb * 32));
+    for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3
+      __m256i halves[TO], fields[TO];  // the half's 8 scales as int16 in both 128-bit lanes; its 2-bit fields
       for (int i = 0; i < TO; ++i) {
-        wv[i] = load_sub16<S16>(w, o + i, sb * 8 + b);
-        scale[i] = sub_block_scales(sc16[i], b);
+        halves[i] = h ? _mm256_permute2x128_si256(sc16[i], sc16[i], 0x11) : _mm256_permute2x128_si256(sc16[i], sc16[i], 0x00);
+        if constexpr (S16 != SUB16_Q6)
+          fields[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + sb * 64 + h * 32));
       }
-      for (int j = 0; j < TN; ++j) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (sb * 8 + b) * QK));
-        for (int i = 0; i < TO; ++i)
-          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xv), scale[i]));
+      for (int jb = 0; jb < 4; ++jb) {
+        const int b = 4 * h + jb;
+        // int16 lanes 0-7: the scale of sub-block 2b, lanes 8-15: of 2b + 1 (the halves of the block's
+        // maddubs pair sums)
+        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * jb + 3) << 8) | (4 * jb + 2))),
+                                              _mm_set1_epi16(static_cast<int16_t>(((4 * jb + 1) << 8) | (4 * jb))));
+        __m256i wv[TO], scale[TO];
+        for (int i = 0; i < TO; ++i) {
+          if constexpr (S16 == SUB16_Q6)
+            wv[i] = load_q6(w, o + i, sb * 8 + b);
+          else
+            wv[i] = low_bit_values<S16>(fields[i], masks[i], jb, b);
+          scale[i] = _mm256_shuffle_epi8(halves[i], pick);
+        }
+        for (int j = 0; j < TN; ++j) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (sb * 8 + b) * QK));
+          for (int i = 0; i < TO; ++i)
+            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xv), scale[i]));
+        }
       }
     }
     for (int j = 0; j < TN; ++j) {
@@ -842,9 +861,9 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                       qh.is_cpu() && qh.size(0) == n && qh.size(1) == nb * 8,
                   "Q6_K high bits q2 must be contiguous uint8 [N, K/4]");
     if (S3)
-      TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kInt32 && qh.is_contiguous() &&
-                      qh.is_cpu() && qh.size(0) == n && qh.size(1) == nb,
-                  "Q3_K third bits qh must be contiguous int32 [N, K/32]");
+      TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
+                      qh.is_cpu() && qh.size(0) == n && qh.size(1) == nb * 4,
+                  "Q3_K third-bit masks qh must be contiguous uint8 [N, K/8]");
     TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
                     d.size(1) == (S2 ? nb / 4 : nb / 8),
                 S2 ? "super-block scales (ds, dmin) must be contiguous float16 [N, K/128]"
@@ -898,10 +917,10 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                                          static_cast<float>(eps), SUB || KS);
   Weights w_all{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                 Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
-                H5 || S3 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
+                H5 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
                 KS || SUB ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
                 KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr,
-                S6 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
+                S6 || S3 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
   w_all.scales_per_16 = SUB;
   const int8_t* qx = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
@@ -1210,31 +1229,15 @@ void repack_q6_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint8_t* q2, 
   }
 }
 
-// 32 values of a block (each 0..3) -> the 8 bytes `two_bit_values` reads: byte j holds values j,
-// j + 8, j + 16, j + 24 at bits 0-1, 2-3, 4-5, 6-7.
-inline void two_bit_plane(const uint8_t* v, uint8_t* out) {
-  for (int j = 0; j < 8; ++j) out[j] = v[j] | (v[j + 8] << 2) | (v[j + 16] << 4) | (v[j + 24] << 6);
-}
-
-// one row of Q3_K super-blocks (256 values: 32 bytes of high-bit masks, 64 of 2-bit pairs, 12 of
-// 6-bit scales, d), as ggml's dequantize_row_q3_K reads them: value v (v = 128h + 32j + l) has its low
-// bits at bits 2j of byte 32h + l and its third bit at bit 4h + j of mask byte l (set: q + 4 >= 4),
-// so block 4h + j's plane and third-bit word; the scales less 32 as int8
-void repack_q3_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint32_t* qh, uint16_t* ds, int8_t* sc) {
+// one row of Q3_K super-blocks (256 values: 32 bytes of third-bit masks, 64 of 2-bit fields, 12 of
+// 6-bit scales, d), as ggml's dequantize_row_q3_K reads them: the masks and fields as stored, the
+// scales less 32 as int8
+void repack_q3_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint8_t* masks, uint16_t* ds, int8_t* sc) {
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* x = src + s * 110;
-    const uint8_t *hm = x, *q = x + 32, *b = x + 96;
-    for (int blk = 0; blk < 8; ++blk) {
-      const int h = blk / 4, j = blk % 4;
-      uint8_t v[32];
-      uint32_t word = 0;
-      for (int l = 0; l < 32; ++l) {
-        v[l] = (q[32 * h + l] >> (2 * j)) & 3;
-        word |= uint32_t((hm[l] >> blk) & 1) << l;
-      }
-      two_bit_plane(v, qs + (s * 8 + blk) * 8);
-      qh[s * 8 + blk] = word;
-    }
+    const uint8_t* b = x + 96;
+    std::memcpy(masks + s * 32, x, 32);
+    std::memcpy(qs + s * 64, x + 32, 64);
     for (int i = 0; i < 16; ++i) {
       const int low = i < 8 ? b[i] & 0x0F : b[i - 8] >> 4, high = (b[8 + i % 4] >> (2 * (i / 4))) & 3;
       sc[s * 16 + i] = static_cast<int8_t>((low | (high << 4)) - 32);
@@ -1243,18 +1246,12 @@ void repack_q3_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint32_t* qh,
   }
 }
 
-// one row of Q2_K super-blocks (256 values: 16 bytes of 4-bit scale | min << 4, 64 of 2-bit pairs, d,
-// dmin), as ggml's dequantize_row_q2_K reads them: value 128h + 32j + l at bits 2j of byte 32h + l
+// one row of Q2_K super-blocks (256 values: 16 bytes of 4-bit scale | min << 4, 64 of 2-bit fields, d,
+// dmin), as ggml's dequantize_row_q2_K reads them: all as stored, d and dmin side by side
 void repack_q2_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint16_t* d, uint8_t* sc) {
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* x = src + s * 84;
-    const uint8_t* q = x + 16;
-    for (int blk = 0; blk < 8; ++blk) {
-      const int h = blk / 4, j = blk % 4;
-      uint8_t v[32];
-      for (int l = 0; l < 32; ++l) v[l] = (q[32 * h + l] >> (2 * j)) & 3;
-      two_bit_plane(v, qs + (s * 8 + blk) * 8);
-    }
+    std::memcpy(qs + s * 64, x + 16, 64);
     std::memcpy(sc + s * 16, x, 16);
     d[2 * s] = load_u16(x + 80), d[2 * s + 1] = load_u16(x + 82);
   }
@@ -1292,7 +1289,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   TORCH_CHECK(qs.numel() / n == (q8 ? nb * 32 : q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
   TORCH_CHECK(d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
   TORCH_CHECK(m_p != nullptr || q8 || q6 || q3 || q2k, "repack: ", type_name, " needs m");
-  TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K || q3),
+  TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
               "repack: ", type_name, " needs qh");
   TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
   TORCH_CHECK(qh_p == nullptr || qh->numel() / n == nb, "repack: qh has the wrong width");
@@ -1306,6 +1303,10 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   } else if (q3 || q2k) {
     sc_p = rows_of<uint8_t>(sc, row0, "sc", n);
     TORCH_CHECK(sc->numel() / n == blocks * 16, "repack: sc has the wrong width");
+    if (q3) {
+      q2_p = rows_of<uint8_t>(q2, row0, "q2 (third-bit masks)", n);
+      TORCH_CHECK(q2->numel() / n == blocks * 32, "repack: q2 has the wrong width");
+    }
   }
   const uint8_t* src = raw.data_ptr<uint8_t>();
   std::atomic<int64_t> bad{0};
@@ -1320,7 +1321,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
         repack_q6_k_row(row, blocks, qs_p + i * nb * 16, q2_p + i * nb * 8, d_p + i * blocks,
                         reinterpret_cast<int8_t*>(sc_p) + i * blocks * 16);
       } else if (q3) {
-        repack_q3_k_row(row, blocks, qs_p + i * nb * 8, qh_p + i * nb, d_p + i * blocks,
+        repack_q3_k_row(row, blocks, qs_p + i * nb * 8, q2_p + i * blocks * 32, d_p + i * blocks,
                         reinterpret_cast<int8_t*>(sc_p) + i * blocks * 16);
       } else if (q2k) {
         repack_q2_k_row(row, blocks, qs_p + i * nb * 8, d_p + i * 2 * blocks, sc_p + i * blocks * 16);
@@ -1399,9 +1400,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q6_k", &gemm_q6_k, "y [T, N] = x [T, K] float32 times Q6_K values (qs uint8 [N, K/2] low nibbles as Q4_1's, q2 uint8 [N, K/4] bits 4-5, ds fp16 [N, K/256], sc int8 [N, K/16])",
         py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_q3_k", &gemm_q3_k, "y [T, N] = x [T, K] float32 times Q3_K values (qs uint8 [N, K/4] bits 0-1 as gemm_q6_k's q2, qh int32 [N, K/32] bit 2, ds fp16 [N, K/256], sc int8 [N, K/16])",
+  m.def("gemm_q3_k", &gemm_q3_k, "y [T, N] = x [T, K] float32 times Q3_K values (qs uint8 [N, K/4] the file's 2-bit fields, qh uint8 [N, K/8] its third-bit masks, ds fp16 [N, K/256], sc int8 [N, K/16])",
         py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_q2_k", &gemm_q2_k, "y [T, N] = x [T, K] float32 times Q2_K values (qs uint8 [N, K/4] as gemm_q6_k's q2, d fp16 [N, K/128] (ds, dmin) per 256, sc uint8 [N, K/16] scale | min << 4)",
+  m.def("gemm_q2_k", &gemm_q2_k, "y [T, N] = x [T, K] float32 times Q2_K values (qs uint8 [N, K/4] the file's 2-bit fields, d fp16 [N, K/128] (ds, dmin) per 256, sc uint8 [N, K/16] scale | min << 4)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
