@@ -25,7 +25,7 @@ from forklm.device import cpu_flags, cpu_model
 from forklm.kernels import block_gemm, ggml_gemm
 from forklm.models import quant
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
 SHAPES = [(576, 1536), (3072, 576)]  # (N, K): SmolLM2's ffn_down and its fused gate/up
 
 

@@ -37,6 +37,10 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     """Random blocks of any layout the kernel runs (K-quant scales: 6-bit integers under float16
     super-block scales, as GGUF's Q4_K / Q5_K hold them; Q3_K's signed 6-bit scales per 16, Q2_K's 4-bit
     scales and minima per 16)."""
+    if kind == "iq4_nl":
+        g = torch.Generator().manual_seed(seed)
+        d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
+        return bg.pack_iq4_nl(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), d)
     if kind not in K_KINDS:
         return random_blocks(kind, n, k, seed).to_block_weights()
     g = torch.Generator().manual_seed(seed)
@@ -62,7 +66,7 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k"]
+KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl"]
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
@@ -81,6 +85,20 @@ def test_k_quant_gemm_matches_reference(kind, t, n, k):
         assert torch.equal(d, ds * (w.sc & 15).float()) and torch.equal(m, -(dmin * (w.sc >> 4).float()))
     else:
         assert torch.equal(d, w.d.float().repeat_interleave(d.shape[1] // w.d.shape[1], 1) * w.sc.float())
+
+
+@pytest.mark.parametrize("t, n, k", [(1, 64, 64), (2, 7, 32), (3, 97, 576), (4, 130, 96), (5, 3, 1536),
+                                     (9, 70, 160), (33, 65, 576), (1, 1, 32)])
+def test_iq4_nl_gemm_matches_reference(t, n, k):
+    """IQ4_NL: ggml's 16 levels looked up from the nibbles, then Q8_0's product."""
+    w = random_weights("iq4_nl", n, k, seed=t * 1000 + n + k)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(n)) * torch.rand(t, 1) * 4
+    y = bg.gemm(x, w)
+    assert rel_err(y, bg.gemm_reference(x, w)) < 1e-5
+    if t * n >= 16:
+        assert rel_err(y, x.double() @ w.dequantize().double().t()) < 0.02
+    q, _, _ = w.unpack()
+    assert set(q.unique().tolist()) <= set(bg.IQ4_NL_LEVELS.tolist())
 
 
 def test_kernel_builds_here():

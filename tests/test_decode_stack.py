@@ -102,6 +102,11 @@ def as_blocks(w: torch.Tensor, kind: str):
         step = (ds.repeat_interleave(16, 1) * sc).unsqueeze(-1)
         q = torch.round(w.float().view(n, -1, 16) / step).clamp(-32, 31).to(torch.int8).view(n, k)
         return bg.pack_q6_k(q, ds, sc.to(torch.int8))
+    if kind == "iq4_nl":  # the nearest of the 16 levels under a per-block scale
+        d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(1e-6)
+        levels = bg.IQ4_NL_LEVELS.float()
+        q = (blocks / d.unsqueeze(-1)).unsqueeze(-1).sub(levels).abs().argmin(-1).to(torch.uint8).view(n, k)
+        return bg.pack_iq4_nl(q, d)
     if kind == "q3_k":
         scale = blocks.view(n, -1, 16).abs().amax(-1) / 4  # per 16 values, q in −4..3
         ds = (scale.view(n, -1, 16).amax(-1) / 31).half().float().clamp_min(1e-6)
@@ -148,13 +153,13 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "q3_k", "q2_k"]
+    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "q3_k", "q2_k", "iq4_nl"]
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
-            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % 7]))
+            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % 8]))
     # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside
     # Q6_K; Q2_K beside Q3_K, as a Q2_K file mixes them)
-    pairs = (("q5_1", "q8_0"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("q3_k", "q5_k"))
+    pairs = (("q5_1", "q8_0"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_nl", "q5_k"))
     for layer, (a, b) in zip(model.layers, pairs):
         w = layer["qkv"].dequantize()
         layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)])
@@ -162,8 +167,8 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
         layer["gate_up"] = BlockLinear([as_blocks(w[:512], b), as_blocks(w[512:], a)])
         w = layer["down"].dequantize()  # the residual fused into parts: each its columns
         layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
-    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k", "q2_k+q3_k", "q3_k+q5_k"}
-    assert {layer["o"].kind for layer in model.layers} == {"q4_k", "q8_0", "q3_k", "q5_1"}
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k", "q2_k+q3_k", "iq4_nl+q5_k"}
+    assert {layer["o"].kind for layer in model.layers} == {"q4_k", "q8_0", "q3_k", "iq4_nl"}
     calls = count_stack_steps(monkeypatch)
     prompts = [[random.Random(i).randrange(29) for _ in range(30 + 7 * i)] for i in range(3)]
     outs = {}

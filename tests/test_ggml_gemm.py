@@ -132,7 +132,8 @@ def test_bad_shapes_are_clear_errors():
 
 
 @pytest.mark.parametrize("types, k", [
-    (types, k) for types in (["Q5_0"], ["Q5_1"], ["Q4_0", "Q5_1", "Q4_1"], ["Q5_0", "Q5_0", "Q5_1"], ["Q8_0"])
+    (types, k) for types in (["Q5_0"], ["Q5_1"], ["Q4_0", "Q5_1", "Q4_1"], ["Q5_0", "Q5_0", "Q5_1"], ["Q8_0"],
+                             ["IQ4_NL"], ["IQ4_NL", "IQ4_NL"])
     for k in (96, 576)  # an odd number of blocks (the last one alone) and the default model's
 ] + [(types, k) for types in (["Q4_K"], ["Q5_K"], ["Q4_K", "Q5_K", "Q4_K"], ["Q6_K"], ["Q6_K", "Q6_K"],
                                ["Q3_K"], ["Q3_K", "Q3_K"], ["Q2_K"], ["Q2_K", "Q2_K"])

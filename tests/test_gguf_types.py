@@ -176,7 +176,7 @@ def test_a_type_without_a_kernel_is_refused_by_name():
 
 def test_without_ggml_a_file_of_its_types_is_refused_and_the_float_path_runs(zoo_gguf, kquant_gguf):
     """Without ggml's kernels: the Q4_K_M-like file runs whole on the block kernel; the zoo file
-    (IQ4_NL, F16, Q2_K ... only ggml runs) is refused by name, and its float path still runs."""
+    (IQ4_XS, F16, BF16: only ggml runs them) is refused by name, and its float path still runs."""
     code = (
         "import sys\n"
         "from forklm import LLM\n"

@@ -1,4 +1,4 @@
-"""GGUF weight blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K layouts) times float32
+"""GGUF weight blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL layouts) times float32
 activations on x86 CPUs with AVX2: integer dot products over activations quantized per row and block
 of 32 (K-quants: per super-block of 256, the sub-block scales applied in integers) (csrc/block_gemm.cpp, built on first use by `kernels/native.py` into forklm's cache; on CPUs with
 AVX512-VNNI a variant built with it, equal bit for bit: `uses_vnni`).
@@ -28,6 +28,8 @@ import torch
 from forklm.device import cpu_flags
 
 BLOCK = 32
+# IQ4_NL's 16 non-linear levels (ggml's kvalues_iq4nl): w = d·IQ4_NL_LEVELS[q]
+IQ4_NL_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
 SUPER_BLOCK = 256  # a K-quant super-block (K-quant weights take activations quantized per 256)
 _SOURCE = Path(__file__).parent / "csrc" / "block_gemm.cpp"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -185,6 +187,8 @@ class BlockWeights:
           d float16 [N, K/128] (per super-block ds then dmin), sc uint8 [N, K/16] (per 16 values the
           file's byte: scale in bits 0-3, minimum in bits 4-7), m None: w = ds·sc·q − dmin·mn.
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
+    iq4_nl: GGUF IQ4_NL: qs uint8 [N, K/2] level indices as q4_1's nibbles, d float16 [N, K/32], m None:
+          w = d·IQ4_NL_LEVELS[q] (run as q8_0 on the looked-up int8 levels).
     """
 
     kind: str
@@ -210,13 +214,17 @@ class BlockWeights:
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
-                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d)}[self.kind]
+                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d), "iq4_nl": (self.qs, self.d)}[self.kind]
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q [N, K] uint8 0..15 / 0..31 or int8, d float32 [N, K/32] (q6_k / q3_k / q2_k: [N, K/16], a
         scale per 16 values), m float32 (the same groups) or None)."""
         if self.kind == "q8_0":
             return self.qs, self.d.float(), None
+        if self.kind == "iq4_nl":
+            nib = self.qs.view(self.n, self.k // BLOCK, 16)
+            idx = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k).long()
+            return IQ4_NL_LEVELS[idx], self.d.float(), None
         if self.kind in ("q3_k", "q2_k"):
             q = unpack_k_fields(self.qs, self.n, self.k)
             if self.kind == "q3_k":
@@ -417,6 +425,13 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
     n, k = q.shape
     _check_k(k)
     return BlockWeights("q8_0", q.to(torch.int8).contiguous(), _exact_half(d, "d"), None, n, k)
+
+
+def pack_iq4_nl(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
+    """q uint8 [N, K] level indices in 0..15, d [N, K/32] holding float16 values."""
+    n, k = q.shape
+    _check_k(k)
+    return BlockWeights("iq4_nl", pack_nibbles(q), _exact_half(d, "d"), None, n, k)
 
 
 def _check_k(k: int) -> None:

@@ -1,6 +1,6 @@
 """Weights kept quantized at run time: int8 per-output-channel and int4 group-wise weight-only
 formats over PyTorch's CPU kernels, and a GGUF file's blocks kept as stored: Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K on forklm's block kernel (`BlockLinear`), every other type ggml runs
+Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL on forklm's block kernel (`BlockLinear`), every other type ggml runs
 on ggml's dot products (`GGMLLinear`).
 
 Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
@@ -191,7 +191,7 @@ class QuantizedLinear:
 
 class BlockLinear(QuantizedLinear):
     """y = x @ wᵀ with w [out, in] kept as a GGUF file's blocks in one of the block kernel's layouts
-    (`forklm.kernels.block_gemm.BlockWeights`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K,
+    (`forklm.kernels.block_gemm.BlockWeights`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL,
     every value as stored), run by forklm's AVX2 integer kernel (activations quantized per row
     and block of 32, as llama.cpp does; each row's result depends on that row alone) at every row
     count. A fused matrix whose parts take different layouts (a Q5_0 q beside a Q8_0 v) holds one
@@ -305,14 +305,15 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
 
 # GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
 BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0",
-                      "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+                      "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
+                      "IQ4_NL": "iq4_nl"}
 
 
 def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
     Q4_0 / Q4_1 parts as q4_1, with a Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth
     bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
-    q2_k; Q8_0 parts as q8_0."""
+    q2_k; Q8_0 parts as q8_0; IQ4_NL parts as iq4_nl."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -363,7 +364,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
     qs = torch.empty(n, k if kind == "q8_0" else k // 4 if two_bit else k // 2, dtype=torch.uint8)
     d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
-    m = None if kind in ("q8_0", "q6_k", "q3_k", "q2_k") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    m = None if kind in ("q8_0", "q6_k", "q3_k", "q2_k", "iq4_nl") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
     qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
     sc = mq = q2 = None
     if kind in ("q4_k", "q5_k"):
@@ -384,6 +385,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
         return block_gemm.BlockWeights("q8_0", qs.view(torch.int8), d, None, n, k)
     if kind == "q6_k":
         return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
+    if kind == "iq4_nl":
+        return block_gemm.BlockWeights("iq4_nl", qs, d, None, n, k)
     if two_bit:
         return block_gemm.BlockWeights(kind, qs, d, None, n, k, sc=sc, q2=q2)
     if kind in ("q4_k", "q5_k"):

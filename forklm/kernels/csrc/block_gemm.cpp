@@ -16,6 +16,7 @@
 //   Q2_K  w = ds·sc·q − dmin·mn, q in 0..3 (the file's 2-bit fields as stored), sc and mn 4 bits each
 //         per 16 values (the file's byte), ds and dmin float16 per 256
 //   Q8_0  w = d·q, q int8
+//   IQ4_NL w = d·t[q], q in 0..15 (Q4_1's nibbles), t ggml's 16 non-linear int8 levels (`tile` with NL)
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
 // and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`). For K-quant weights the
@@ -287,9 +288,21 @@ inline __m128 pair_scales(const Weights& w, int64_t o, int64_t b) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(dpair));
 }
 
-template <bool Q41, bool H5 = false>
+// IQ4_NL's 16 levels (ggml's kvalues_iq4nl), in both 128-bit lanes for a pshufb lookup.
+inline __m256i iq4nl_levels() {
+  const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  return _mm256_set_m128i(t, t);
+}
+
+// Block b of output o as 32 bytes: Q41 the unsigned 4-bit values (H5: with their fifth bits), NL
+// IQ4_NL's int8 levels looked up from its nibbles, else Q8_0's int8 values.
+template <bool Q41, bool H5 = false, bool NL = false>
 inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
-  if constexpr (Q41) {
+  if constexpr (NL) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
+    const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    return _mm256_shuffle_epi8(iq4nl_levels(), idx);
+  } else if constexpr (Q41) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
     const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
     if constexpr (H5) return _mm256_or_si256(low, high_bits(w.qh[o * w.nb + b]));
@@ -425,9 +438,9 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
   for (const char* p = base + (o0 >> 3) * nb * 8 * bytes; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-// Q8_0: y[j·N + o + i] for i < TO outputs, j < TN activation rows (Q4_1-type blocks run on
+// Q8_0 (NL: IQ4_NL, its levels looked up as int8): y[j·N + o + i] for i < TO outputs, j < TN activation rows (Q4_1-type blocks run on
 // `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K on `tile_q6`). scratch: >= TO·(TN + 1)·nb floats.
-template <int TO, int TN>
+template <int TO, int TN, bool NL = false>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
   float* dw = scratch;                 // [TO, nb]
@@ -446,7 +459,7 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv[TO];
-    for (int i = 0; i < TO; ++i) wv[i] = load_weights<false>(w, o + i, b);
+    for (int i = 0; i < TO; ++i) wv[i] = load_weights<false, false, NL>(w, o + i, b);
     for (int j = 0; j < TN; ++j) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
       for (int i = 0; i < TO; ++i) {
@@ -663,11 +676,11 @@ void tile_s16_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x,
   for (; o < o1; ++o) tile_s16<S16, 1, TN>(w, o, x, y, N);
 }
 
-template <int TO, int TN>
+template <int TO, int TN, bool NL = false>
 void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) tile<TO, TN>(w, o, x, y, N, scratch);
-  for (; o < o1; ++o) tile<1, TN>(w, o, x, y, N, scratch);
+  for (; o + TO <= o1; o += TO) tile<TO, TN, NL>(w, o, x, y, N, scratch);
+  for (; o < o1; ++o) tile<1, TN, NL>(w, o, x, y, N, scratch);
 }
 
 template <int TO, int TN, bool H5 = false>
@@ -834,8 +847,9 @@ constexpr int64_t SCRATCH_PER_BLOCK = cmax(cmax(ROW_TILE_OUTS * 5, 1 * 2), cmax(
 
 // Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm);
 // S16: a layout with a scale per 16 values (`Sub16`): Q6_K (qs, q2 passed as qh, d: ds, sc), Q3_K
-// (qs: the 2-bit plane, qh: the third bits, d: ds, sc), Q2_K (qs: the 2-bit plane, d: ds and dmin, sc).
-template <bool Q41, bool H5 = false, bool KS = false, int S16 = NO_SUB16>
+// (qs: the 2-bit plane, qh: the third bits, d: ds, sc), Q2_K (qs: the 2-bit plane, d: ds and dmin, sc);
+// NL: IQ4_NL (qs nibbles as Q4_1's, d), run as Q8_0 on its looked-up levels.
+template <bool Q41, bool H5 = false, bool KS = false, int S16 = NO_SUB16, bool NL = false>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
                    double eps, const std::optional<torch::Tensor>& residual, const torch::Tensor& qh = torch::Tensor(),
@@ -851,7 +865,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const int64_t T = x.size(0), K = mode == SWIGLU ? x.size(1) / 2 : x.size(1), nb = K / QK, n = qs.size(0);
   TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  const int64_t row_bytes = Q41 || S6 ? nb * 16 : S3 || S2 ? nb * 8 : K;
+  static_assert(!NL || (!Q41 && S16 == NO_SUB16), "IQ4_NL is a layout of its own");
+  const int64_t row_bytes = Q41 || S6 || NL ? nb * 16 : S3 || S2 ? nb * 8 : K;
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
               "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
   if (SUB) {
@@ -1006,14 +1021,14 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
           case 1: one_row_q4_1<H5>(w, c0, c1, all.rows_from(t), xpairs.data() + t * K, yp + t * n, n); break;
           default: break;
         }
-      } else {  // Q8_0
+      } else {  // Q8_0, IQ4_NL
         for (; t + 4 <= T; t += 4)
-          tile_rows<ROW_TILE_OUTS, 4>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+          tile_rows<ROW_TILE_OUTS, 4, NL>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
         const Acts rest = all.rows_from(t);
         switch (T - t) {
-          case 3: tile_rows<2, 3>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 2: tile_rows<4, 2>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 1: tile_rows<1, 1>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 3: tile_rows<2, 3, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 2: tile_rows<4, 2, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 1: tile_rows<1, 1, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
           default: break;
         }
       }
@@ -1075,6 +1090,12 @@ torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const t
   return gemm<false>(x, qs, d, d, prologue, norm_weight, eps, residual);
 }
 
+torch::Tensor gemm_iq4_nl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, int64_t prologue,
+                          const std::optional<torch::Tensor>& norm_weight, double eps,
+                          const std::optional<torch::Tensor>& residual) {
+  return gemm<false, false, false, NO_SUB16, true>(x, qs, d, d, prologue, norm_weight, eps, residual);
+}
+
 std::vector<torch::Tensor> quantize_q8(const torch::Tensor& x_in) {
   const torch::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu() && x.size(1) % QK == 0,
@@ -1118,13 +1139,13 @@ inline uint16_t scaled_half(uint16_t d, float factor, bool* overflow) {
   return h;
 }
 
-enum class Stored { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, Unknown };
+enum class Stored { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, Unknown };
 
 Stored stored_type(const std::string& t) {
   return t == "Q4_0" ? Stored::Q4_0 : t == "Q4_1" ? Stored::Q4_1 : t == "Q5_0" ? Stored::Q5_0
          : t == "Q5_1" ? Stored::Q5_1 : t == "Q8_0" ? Stored::Q8_0 : t == "Q4_K" ? Stored::Q4_K
          : t == "Q5_K" ? Stored::Q5_K : t == "Q6_K" ? Stored::Q6_K : t == "Q3_K" ? Stored::Q3_K
-         : t == "Q2_K" ? Stored::Q2_K : Stored::Unknown;
+         : t == "Q2_K" ? Stored::Q2_K : t == "IQ4_NL" ? Stored::IQ4_NL : Stored::Unknown;
 }
 
 // one row of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks (32 values each)
@@ -1141,6 +1162,10 @@ int64_t repack_legacy_row(Stored type, const uint8_t* src, int64_t nb, uint8_t* 
       const uint8_t* x = src + b * 20;
       d[b] = load_u16(x), m[b] = load_u16(x + 2);
       std::memcpy(qs + b * 16, x + 4, 16);
+    } else if (type == Stored::IQ4_NL) {  // d, 16 bytes of level indices
+      const uint8_t* x = src + b * 18;
+      d[b] = load_u16(x);
+      std::memcpy(qs + b * 16, x + 2, 16);
     } else if (type == Stored::Q4_0) {  // d, 16 bytes; w = d·(q − 8)
       const uint8_t* x = src + b * 18;
       d[b] = load_u16(x), m[b] = scaled_half(d[b], -8.f, &over);
@@ -1273,7 +1298,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const Stored type = stored_type(type_name);
   const int64_t n = qs.size(0), r = raw.size(0), bytes = raw.size(1);
   TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
-  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 0};
+  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 18, 0};
   const int64_t block_bytes = kBlockBytes[static_cast<int>(type)];
   TORCH_CHECK(block_bytes > 0, "repack: no block-kernel layout for GGUF type ", type_name);
   TORCH_CHECK(bytes % block_bytes == 0, "repack: a row of ", bytes, " bytes is not whole ", type_name, " blocks");
@@ -1288,7 +1313,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   uint32_t* qh_p = qh.has_value() ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
   TORCH_CHECK(qs.numel() / n == (q8 ? nb * 32 : q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
   TORCH_CHECK(d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
-  TORCH_CHECK(m_p != nullptr || q8 || q6 || q3 || q2k, "repack: ", type_name, " needs m");
+  TORCH_CHECK(m_p != nullptr || q8 || q6 || q3 || q2k || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
   TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
               "repack: ", type_name, " needs qh");
   TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
@@ -1405,6 +1430,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q2_k", &gemm_q2_k, "y [T, N] = x [T, K] float32 times Q2_K values (qs uint8 [N, K/4] the file's 2-bit fields, d fp16 [N, K/128] (ds, dmin) per 256, sc uint8 [N, K/16] scale | min << 4)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_iq4_nl", &gemm_iq4_nl, "y [T, N] = x [T, K] float32 times IQ4_NL weights (qs uint8 [N, K/2] nibbles as Q4_1's, d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
         "output one dot product in a fixed order whatever T", py::call_guard<py::gil_scoped_release>());
