@@ -263,7 +263,7 @@ class BlockWeights:
 
 def dequantize_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """float32 [N, K] from values q [N, K] and per-block scales d (minima m) [N, K / block] (block 32;
-    Q6_K: 16), computed as gguf's numpy dequantization does ((d·q) + m in float32)."""
+    Q6_K / Q3_K / Q2_K: 16), computed as gguf's numpy dequantization does ((d·q) + m in float32)."""
     n, k = q.shape
     w = q.float().view(n, d.shape[1], -1) * d.unsqueeze(-1)
     if m is not None:
@@ -371,6 +371,8 @@ def pack_q3_k(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeigh
     n, k = q.shape
     if k % 256:
         raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
+    if q.min() < -4 or q.max() > 3 or sc.min() < -32 or sc.max() > 31:
+        raise ValueError("Q3_K values must lie in -4..3 and its scales in -32..31")
     u = (q.to(torch.int16) + 4).to(torch.uint8)
     return BlockWeights("q3_k", pack_k_fields(u & 3), _exact_half(ds, "ds"), None, n, k,
                         sc=sc.to(torch.int8).contiguous(), q2=pack_k_masks(u >> 2))
@@ -382,6 +384,8 @@ def pack_q2_k(q: torch.Tensor, ds: torch.Tensor, dmin: torch.Tensor, sc: torch.T
     n, k = q.shape
     if k % 256:
         raise ValueError(f"K-quant blocks need K divisible by 256, got {k}")
+    if q.max() > 3 or sc.max() > 15 or mn.max() > 15 or min(q.min(), sc.min(), mn.min()) < 0:
+        raise ValueError("Q2_K values must lie in 0..3 and its scales and minima in 0..15")
     d = torch.stack([_exact_half(ds, "ds"), _exact_half(dmin, "dmin")], dim=-1).reshape(n, -1).contiguous()
     return BlockWeights("q2_k", pack_k_fields(q), d, None, n, k,
                         sc=(sc.to(torch.uint8) | (mn.to(torch.uint8) << 4)).contiguous())

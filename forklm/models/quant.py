@@ -396,10 +396,11 @@ def stored_block_weights(parts: list[GGMLWeights]):
 
 
 def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None):
-    """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): Q4_0 / Q4_1 /
-    Q5_0 / Q5_1 parts, Q4_K / Q5_K parts or Q8_0 parts on forklm's block kernel (its layouts,
-    repacked once, `block_kernel_kind`), any other mix on ggml's kernels over the file's bytes. A
-    type neither runs is refused by name, never densified. block_kernel: whether the block kernel runs
+    """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): parts of the
+    types the block kernel runs (`BLOCK_KERNEL_TYPES`: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL) on it, a run of
+    parts per layout (repacked once, `block_kernel_kind`), a matrix with any other part (IQ4_XS, F16,
+    BF16) on ggml's kernels over the file's bytes. A type neither runs is refused by name, never
+    densified. block_kernel: whether the block kernel runs
     here (the backend's `block_kernel`; None: whether it is built)."""
     from forklm.kernels import ggml_gemm
 

@@ -366,7 +366,9 @@ inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int
     const int64_t per_row = w.scales_per_16 ? 2 * w.nb : w.nb;
     const char* scales = reinterpret_cast<const char*>(w.sc + first * per_row);
     for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w.d + first * (w.nb / 8)), _MM_HINT_T0);  // (Q2_K: d and dmin)
+    // ds per super-block (Q2_K: ds and dmin side by side, the layout without q2 among those per 16)
+    const int64_t d_per_row = w.scales_per_16 && w.q2 == nullptr ? w.nb / 4 : w.nb / 8;
+    _mm_prefetch(reinterpret_cast<const char*>(w.d + first * d_per_row), _MM_HINT_T0);
   }
   if (w.qh != nullptr) {
     const char* bits = reinterpret_cast<const char*>(w.qh + first * w.nb);
@@ -439,7 +441,7 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
 }
 
 // Q8_0 (NL: IQ4_NL, its levels looked up as int8): y[j·N + o + i] for i < TO outputs, j < TN activation rows (Q4_1-type blocks run on
-// `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K on `tile_q6`). scratch: >= TO·(TN + 1)·nb floats.
+// `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K / Q3_K / Q2_K on `tile_s16`). scratch: >= TO·(TN + 1)·nb floats.
 template <int TO, int TN, bool NL = false>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
@@ -617,10 +619,11 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
     __m256i isum[TO][TN];
     for (int i = 0; i < TO; ++i)
       for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
-    __m256i masks[TO];  // Q3_K: the super-block's third-bit masks
-    if constexpr (S16 == SUB16_Q3)
-      for (int i = 0; i < TO; ++i)
-        masks[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q2 + (o + i) * (w.row_bytes / 2) + sb * 32));
+    __m256i masks[TO];  // Q3_K: the super-block's third-bit masks (unused, zero, for the others)
+    for (int i = 0; i < TO; ++i)
+      masks[i] = S16 == SUB16_Q3
+                     ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q2 + (o + i) * (w.row_bytes / 2) + sb * 32))
+                     : _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3
       __m256i halves[TO], fields[TO];  // the half's 8 scales as int16 in both 128-bit lanes; its 2-bit fields
       for (int i = 0; i < TO; ++i) {
