@@ -221,10 +221,6 @@ class BlockWeights:
         scale per 16 values), m float32 (the same groups) or None)."""
         if self.kind == "q8_0":
             return self.qs, self.d.float(), None
-        if self.kind == "iq4_nl":
-            nib = self.qs.view(self.n, self.k // BLOCK, 16)
-            idx = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k).long()
-            return IQ4_NL_LEVELS[idx], self.d.float(), None
         if self.kind in ("q3_k", "q2_k"):
             q = unpack_k_fields(self.qs, self.n, self.k)
             if self.kind == "q3_k":
@@ -235,6 +231,8 @@ class BlockWeights:
             return q, dd[..., 0] * (sc & 15).float(), -(dd[..., 1] * (sc >> 4).float())
         nib = self.qs.view(self.n, self.k // BLOCK, 16)
         q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
+        if self.kind == "iq4_nl":  # level indices
+            return IQ4_NL_LEVELS[q.long()], self.d.float(), None
         if self.kind == "q6_k":
             high = (self.q2.view(self.n, self.k // BLOCK, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
             q = (q | (high.reshape(self.n, self.k) << 4)).to(torch.int8) - 32

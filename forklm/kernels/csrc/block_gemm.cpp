@@ -538,6 +538,13 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
     for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + x.minima_term(j, o + i);
 }
 
+// A pshufb pattern over 8 int16 scales held in both 128-bit lanes: int16 lanes 0-7 get scale 2p, lanes
+// 8-15 scale 2p + 1 (the halves of block p's maddubs pair sums, whose scales these are).
+inline __m256i pick_scale_pair(int p) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * p + 3) << 8) | (4 * p + 2))),
+                          _mm_set1_epi16(static_cast<int16_t>(((4 * p + 1) << 8) | (4 * p))));
+}
+
 // The layouts with a scale per 16 values (`tile_s16`).
 enum Sub16 { NO_SUB16 = 0, SUB16_Q6 = 6, SUB16_Q3 = 3, SUB16_Q2 = 2 };
 
@@ -633,10 +640,7 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
       }
       for (int jb = 0; jb < 4; ++jb) {
         const int b = 4 * h + jb;
-        // int16 lanes 0-7: the scale of sub-block 2b, lanes 8-15: of 2b + 1 (the halves of the block's
-        // maddubs pair sums)
-        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * jb + 3) << 8) | (4 * jb + 2))),
-                                              _mm_set1_epi16(static_cast<int16_t>(((4 * jb + 1) << 8) | (4 * jb))));
+        const __m256i pick = pick_scale_pair(jb);  // sub-blocks 2b, 2b + 1 of the half's 8
         __m256i wv[TO], scale[TO];
         for (int i = 0; i < TO; ++i) {
           if constexpr (S16 == SUB16_Q6)
@@ -733,8 +737,7 @@ void tile_k(const Weights& w, int64_t o, const KActs& x, float* y, int64_t N) {
       for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {  // blocks 2p and 2p + 1 of the super-block
       const int64_t pr = sb * 4 + p;
-      const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * p + 3) << 8) | (4 * p + 2))),
-                                            _mm_set1_epi16(static_cast<int16_t>(((4 * p + 1) << 8) | (4 * p))));
+      const __m256i pick = pick_scale_pair(p);  // blocks 2p, 2p + 1 of the super-block's 8
       __m256i wlo[TO], whi[TO], scale[TO];
       for (int i = 0; i < TO; ++i) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + pr * QK));
