@@ -18,6 +18,7 @@ FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512
 def kernels_report() -> dict[str, str]:
     """Each native kernel: "built" (and which build) or why it does not run here."""
     from forklm.kernels import block_gemm, cpu_attention, cpu_sampler, decode_stack, ggml_gemm
+    from forklm.models.gguf_file import string_reader_error
 
     def state(err: str | None, built: str = "built") -> str:
         return built if err is None else f"not available: {err}"
@@ -29,6 +30,7 @@ def kernels_report() -> dict[str, str]:
         "C++ attention": state(cpu_attention.build_error()),
         "C++ sampler": state(cpu_sampler.build_error()),
         "decode stack": state(decode_stack.build_error()),
+        "GGUF string reader (vocabulary at load)": state(string_reader_error()),
     }
 
 

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import functools
 import json
-import operator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from forklm.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError
+from forklm.models.gguf_file import split_pairs
 
 # Besides the eos id the files name, these end a turn or a document. Chat models stop on their
 # end-of-turn token (<|im_end|>, <|eot_id|>) while the file's eos is often the document end, or the
@@ -146,7 +147,7 @@ class Tokenizer:
         while n > 1 and types[n - 1] == _UNUSED:  # not tokens (vocab_size stops before them, so they are masked)
             n -= 1
         tokens, types = tokens[:n], types[:n]
-        merges = list(map(tuple, map(operator.methodcaller("split", " "), meta.get("tokenizer.ggml.merges") or [])))
+        merges = split_pairs(meta.get("tokenizer.ggml.merges") or [])
 
         def token(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -164,8 +165,9 @@ class Tokenizer:
                 f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
 
         named = {token(k) for k in ("bos", "eos", "unknown", "padding")} - {None}
-        special = [t for t, ty in zip(tokens, types) if ty == _UNKNOWN or ty == _CONTROL or t in named]
-        user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        marked = _ids_of_types(types, (_UNKNOWN, _CONTROL, _USER_DEFINED))  # a few ids of ~50k, found in numpy
+        special = [tokens[i] for i in sorted({*marked[_UNKNOWN], *marked[_CONTROL], *_ids_of_texts(tokens, named)})]
+        user = [tokens[i] for i in marked[_USER_DEFINED]]
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
         # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
@@ -281,7 +283,8 @@ def _compile_template(source: str) -> jinja2.Template:
 
 def _bpe(vocab: dict[str, int], merges: list[tuple], **kw: Any) -> _Backend:
     try:
-        return _Backend(models.BPE(vocab=vocab, merges=[m for m in merges if len(m) == 2], **kw))
+        pairs = merges if set(map(len, merges)) <= {2} else [m for m in merges if len(m) == 2]
+        return _Backend(models.BPE(vocab=vocab, merges=pairs, **kw))
     except Exception as e:  # a merge naming a token the vocabulary lacks
         raise ModelFileError(f"GGUF tokenizer: vocabulary and merges are inconsistent ({e})") from None
 
@@ -298,7 +301,8 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple],
     # Normal tokens must be in the byte alphabet; llama.cpp sometimes stores them as raw text.
     # Control/user-defined tokens keep their raw text: they are matched whole, never merged.
     raw = (_CONTROL, _USER_DEFINED)
-    if set("".join(t for t, ty in zip(tokens, types) if ty not in raw)) <= spelled:  # the usual file: one pass in C
+    if set("".join(tokens)) <= spelled or set(  # the usual file: one pass in C over every token, else without raw ones
+            "".join(t for t, ty in zip(tokens, types) if ty not in raw)) <= spelled:
         vocab = _first_ids(tokens)
     else:
         vocab = {}
@@ -313,6 +317,26 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[tuple],
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     return backend, vocab
+
+
+def _ids_of_types(types: list[int], wanted: tuple[int, ...]) -> dict[int, list[int]]:
+    """{token type: ids of that type, ascending} for each wanted type (numpy's pass, not Python's)."""
+    arr = np.asarray(types)
+    return {ty: np.flatnonzero(arr == ty).tolist() for ty in wanted}
+
+
+def _ids_of_texts(tokens: list[str], texts: set[str]) -> list[int]:
+    """Every id whose token is one of a few `texts` (list.index's C loop, not a Python one)."""
+    ids = []
+    for text in texts:
+        i = -1
+        while True:
+            try:
+                i = tokens.index(text, i + 1)
+            except ValueError:
+                break
+            ids.append(i)
+    return ids
 
 
 def _first_ids(tokens: list[str]) -> dict[str, int]:

@@ -15,3 +15,4 @@ bash scripts/build_ggml.sh >/dev/null
 # forklm's AVX2 kernels (GGUF Q4_1 / Q8_0 products; decode attention) are compiled once here (~40 s each), not on first use
 .venv/bin/python -c "from forklm.kernels import block_gemm as b; print('block kernel:', b.build_error() or 'built')"
 .venv/bin/python -c "from forklm.kernels import cpu_attention as a; print('CPU attention kernel:', a.build_error() or 'built')"
+.venv/bin/python -c "from forklm.models import gguf_file as g; print('GGUF string reader:', g.string_reader_error() or 'built')"

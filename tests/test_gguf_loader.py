@@ -414,3 +414,49 @@ def test_ggml_type_table_agrees_with_the_gguf_package():
         assert int(ours) == int(qtype) and ours == qtype
         assert GGML_BLOCK_SIZES[ours] == (block, size), qtype.name
     assert len(GGMLType) == len(gguf.GGML_QUANT_SIZES)
+
+
+def _string_array(strings: list[bytes]) -> bytes:
+    import struct
+
+    return b"".join(struct.pack("<Q", len(s)) + s for s in strings)
+
+
+def test_native_string_reader_equals_the_python_loop():
+    """forklm's C++ string reader (kernels/csrc/gguf_strings.cpp) gives the Python loop's strings:
+    random ASCII, multi-byte, invalid UTF-8 (replaced), empty ones, from an offset; a string that runs
+    past the end is a ValueError, not a read past the buffer; split_pairs is str.split(" ")."""
+    import random
+
+    from forklm.kernels import block_gemm
+    from forklm.models import gguf_file
+
+    native = gguf_file.native_strings()
+    if native is None:
+        assert block_gemm.build_error() is not None, "the string reader must build where forklm's kernels build"
+        pytest.skip("no C++ toolchain here")
+    rng = random.Random(0x5EED)
+    alphabet = ["a", "Z", " ", "Ġ", "é", "▁", "中", "🙂", "<", "|"]
+    strings = [b"", b"\xff\xfe", b"ok\xc3", "Ġthe".encode()]  # empty, invalid, a cut character, the usual
+    strings += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12))).encode() for _ in range(3000)]
+    strings += [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 9))) for _ in range(500)]  # any bytes
+    blob = b"\x07" * 13 + _string_array(strings) + b"tail"
+    view = memoryview(np.frombuffer(blob, dtype=np.uint8))
+    cur = gguf_file._Cursor(view)
+    cur.pos = 13
+    want = cur.python_strings(len(strings))
+    want_end = cur.pos
+    got, end = native.read_strings(view, 13, len(strings))
+    assert got == want and end == want_end == len(blob) - 4
+    assert got[:3] == [s.decode("utf-8", "replace") for s in strings[:3]]
+    for cut in (13 + 3, len(blob) - 10):  # inside a length, inside the last string
+        short = memoryview(np.frombuffer(blob[:cut], dtype=np.uint8))
+        with pytest.raises(ValueError, match="past the end"):
+            native.read_strings(short, 13, len(strings))
+    huge = memoryview(np.frombuffer(b"\xff" * 8 + b"abc", dtype=np.uint8))  # a length of 2**64 - 1
+    with pytest.raises(ValueError, match="past the end"):
+        native.read_strings(huge, 0, 1)
+    texts = [s.decode("utf-8", "replace") for s in strings] + ["a b", " a", "a ", "a  b", "a b c", " "]
+    assert gguf_file.split_pairs(texts) == [tuple(t.split(" ")) for t in texts]
+    with pytest.raises(TypeError):
+        native.split_pairs(["a b", 3])
