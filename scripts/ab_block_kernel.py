@@ -1,6 +1,6 @@
 """The block kernel of this tree against the one of another commit, on a decode step's products.
 
-    python scripts/ab_block_kernel.py --against <commit> [--rows 1,8,32] [--rounds 15]
+    python scripts/ab_block_kernel.py --against <commit> [--model FILE.gguf] [--rows 1,8,32] [--rounds 15]
         [--out bench/results/block_kernel_ab.json]
 
 Builds csrc/block_gemm.cpp as it is at `--against` beside this tree's (the AVX2 build of each and,
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", required=True, help="the commit whose block kernel to time beside this tree's")
     ap.add_argument("--rows", default="1,8,32", help="activation rows per product (a step's samples)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the packaged SmolLM2 Q4_1)")
     ap.add_argument("--out", default="bench/results/block_kernel_ab.json")
     args = ap.parse_args(argv)
     from forklm import LLM
@@ -48,22 +49,27 @@ def main(argv: list[str] | None = None) -> int:
         builds[f"{sha} {build}"] = (old, None)
         builds[f"this tree {build}"] = (bg.load_cpu_extension(f"forklm_ab_block_gemm_this{build}", bg._SOURCE, flags),
                                         None)
-    model = LLM().model
-    mats = [layer[k].blocks for layer in model.layers for k in ("qkv", "o", "gate_up", "down")]
-    mats.append(model.lm_head.blocks)
+    model = (LLM(args.model) if args.model else LLM()).model
+
+    def parts(w):  # a BlockLinear's layouts (one, or one per run of parts fused along the outputs)
+        return list(getattr(w, "parts", None) or [w.blocks])
+
+    mats = [b for layer in model.layers for k in ("qkv", "o", "gate_up", "down") for b in parts(layer[k])]
+    mats += parts(model.lm_head)
     flat_minima = [None if b.m is None else bg.unblock_minima(b.m, b.n).contiguous() for b in mats]
-    q4 = next(i for i, b in enumerate(mats) if b.kind == "q4_1")
+    q4 = next((i for i, b in enumerate(mats) if b.kind == "q4_1"), None)
     for name, (ext, old) in builds.items():  # which minima layout each build takes
         try:
-            ext.gemm_q4_1(torch.randn(1, mats[q4].k), mats[q4].qs, mats[q4].d, mats[q4].m, 0, None, 0.0, None)
+            if q4 is not None:
+                ext.gemm_q4_1(torch.randn(1, mats[q4].k), mats[q4].qs, mats[q4].d, mats[q4].m, 0, None, 0.0, None)
             builds[name] = (ext, False)
         except RuntimeError:  # a kernel from before the grouped layout: minima [N, K/32]
             builds[name] = (ext, True)
 
     def product(ext, flat_layout, b, flat, x):
-        if b.kind == "q8_0":
-            return ext.gemm_q8_0(x, b.qs, b.d, 0, None, 0.0, None)
-        return ext.gemm_q4_1(x, b.qs, b.d, flat if flat_layout else b.m, 0, None, 0.0, None)
+        if b.kind == "q4_1" and flat_layout:
+            return ext.gemm_q4_1(x, b.qs, b.d, flat, 0, None, 0.0, None)
+        return getattr(ext, f"gemm_{b.kind}")(x, *b.kernel_arrays(), 0, None, 0.0, None)
 
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_info(), "threads": torch.get_num_threads(), "against": sha,
+                               "model": str(args.model or "default"), "layouts": sorted({b.kind for b in mats}),
                                "rounds": args.rounds, "rows": results}, indent=1))
     print(f"wrote {out}")
     return 0
