@@ -190,3 +190,14 @@ def test_row_range_is_a_view_of_those_rows():
     assert torch.equal(part.dequantize(), w.dequantize()[8:16])
     with pytest.raises(ValueError, match="permuted"):
         ggml_gemm.GGMLWeights(rows, "Q4_K", 24, 256, row_order=torch.randperm(24, generator=gen)).row_range(0, 8)
+
+
+def test_a_relative_ggml_dir_is_made_absolute(monkeypatch, tmp_path):
+    """FORKLM_GGML_DIR relative to the working directory names the same folder once the linker runs
+    in the build's own folder (a relative -L there found nothing, and the failed build was recorded)."""
+    from forklm.kernels import ggml_gemm
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FORKLM_GGML_DIR", "some/ggml")
+    assert ggml_gemm.ggml_dir() == tmp_path / "some" / "ggml"
+    assert ggml_gemm.ggml_dir().is_absolute()

@@ -43,10 +43,11 @@ GGML_TYPE_IDS = {
 
 
 def ggml_dir() -> Path:
-    """Where libggml-cpu and its headers are installed (FORKLM_GGML_DIR, else the repo's .cache)."""
+    """Where libggml-cpu and its headers are installed (FORKLM_GGML_DIR, else the repo's .cache), as an
+    absolute path: the linker runs in the build's own folder, where a relative one names nothing."""
     env = os.environ.get("FORKLM_GGML_DIR")
     if env:
-        return Path(env)
+        return Path(env).expanduser().resolve()
     return Path(__file__).resolve().parents[2] / ".cache" / f"ggml-{GGML_SOURCES_VERSION}"
 
 
