@@ -25,7 +25,7 @@ def kernels_report() -> dict[str, str]:
 
     block = state(block_gemm.build_error(), f"built ({block_gemm.LOADED_BUILDS.get('forklm_block_gemm', '?')})")
     return {
-        "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL)": block,
+        "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)": block,
         "ggml dot products (every other GGUF type)": state(ggml_gemm.build_error(), f"built ({ggml_gemm.ggml_dir()})"),
         "C++ attention": state(cpu_attention.build_error()),
         "C++ sampler": state(cpu_sampler.build_error()),

@@ -75,6 +75,15 @@ def low_bit_type(name: str, k: int) -> str | None:
     return "Q4_0"
 
 
+def iq4_type(name: str, k: int) -> str | None:
+    """llama-quantize's IQ4_XS preset on SmolLM2: ffn_down (1536 inputs) IQ4_XS, every other matrix
+    IQ4_NL (the preset's fall-back for 576-wide rows), the embedding as it is."""
+    m = re.fullmatch(r"blk\.\d+\.(\w+)\.weight", name)
+    if not m or m[1] in ("attn_norm", "ffn_norm"):
+        return None
+    return "IQ4_XS" if m[1] == "ffn_down" and k % 256 == 0 else "IQ4_NL"
+
+
 def k_quant_type(name: str, k: int) -> str | None:
     """A Q4_K_M-like rule: Q4_K where a row is a multiple of 256, else Q5_0; attn_v and ffn_down Q6_K
     where they fit, else Q8_0; the embedding Q8_0."""

@@ -30,7 +30,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockQuantized:
     return BlockQuantized("q8_0", q, d)
 
 
-K_KINDS = ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k"]  # layouts over super-blocks of 256
+K_KINDS = ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"]  # layouts over super-blocks of 256
 
 
 def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
@@ -44,6 +44,10 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     if kind not in K_KINDS:
         return random_blocks(kind, n, k, seed).to_block_weights()
     g = torch.Generator().manual_seed(seed)
+    if kind == "iq4_xs":
+        ds = (torch.rand(n, k // 256, generator=g) * 0.004 + 1e-4).half().float()
+        return bg.pack_iq4_xs(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), ds,
+                              torch.randint(-32, 32, (n, k // 32), generator=g, dtype=torch.int8))
     if kind == "q3_k":
         q = torch.randint(-4, 4, (n, k), generator=g, dtype=torch.int8)
         ds = (torch.rand(n, k // 256, generator=g) * 0.004 + 1e-4).half().float()
@@ -66,7 +70,7 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl"]
+KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"]
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
@@ -122,7 +126,7 @@ def test_gemm_matches_reference(kind, t, n, k):
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_row_depends_on_that_row_alone(kind):
     """Bit for bit: a row computed alone, in any tile position, or beside other rows."""
-    k = 512 if kind.endswith("_k") else 576
+    k = 512 if kind in K_KINDS else 576
     w = random_weights(kind, 131, k, seed=3)
     x = torch.randn(13, k)
     together = bg.gemm(x, w)
@@ -306,7 +310,7 @@ def test_fused_prologues_and_residual_match_their_operators(kind, t):
     as separate PyTorch operators (the quantization of nearly equal rows may differ by a step at a
     rounding boundary: a tolerance, not bit equality)."""
     g = torch.Generator().manual_seed(t)
-    k = 256 if kind.endswith("_k") else 128  # K-quants: activations quantized per 256
+    k = 256 if kind in K_KINDS else 128  # K-quants: activations quantized per 256
     w = random_weights(kind, 96, k, seed=t)
     x = torch.randn(t, k, generator=g) * 3
     norm = torch.rand(k, generator=g) + 0.5
@@ -359,6 +363,25 @@ def test_q3_k_q2_k_integer_sums_do_not_overflow_at_the_extremes():
     full = torch.full((n, k // 16), 15, dtype=torch.uint8)
     w = bg.pack_q2_k(torch.full((n, k), 3, dtype=torch.uint8), ds, ds * 2, full, full)
     assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
+
+
+def test_iq4_xs_integer_sums_do_not_overflow_at_the_extremes():
+    """IQ4_XS levels at −127 and 113 under scales −32 and 31 against activations at ±127: the int16
+    pair sums (|w|·|x| <= 127·127, two a lane) and the int32 super-block sums stay in range, and each
+    lane stays below 2²⁴ (converted to float exactly)."""
+    n, k = 16, 512
+    x = torch.where(torch.rand(3, k) < 0.5, -1.0, 1.0) * 5.0
+    x[0] = 5.0  # all +127
+    x[1] = -5.0  # all -127
+    ds = torch.full((n, k // 256), 1e-3).half().float()
+    for level, scale in ((0, -32), (0, 31), (15, -32), (15, 31)):  # levels −127 and 113
+        q = torch.full((n, k), level, dtype=torch.uint8)
+        w = bg.pack_iq4_xs(q, ds, torch.full((n, k // 32), scale, dtype=torch.int8))
+        assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
+    with pytest.raises(ValueError, match="-32..31"):
+        bg.pack_iq4_xs(torch.zeros(n, k, dtype=torch.uint8), ds, torch.full((n, k // 32), 32, dtype=torch.int8))
+    with pytest.raises(ValueError, match="256"):
+        bg.pack_iq4_xs(torch.zeros(n, 288, dtype=torch.uint8), ds, torch.zeros(n, 9, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("five", [False, True])
@@ -458,7 +481,7 @@ def test_vnni_build_equals_the_avx2_build_bit_for_bit(kind):
     avx2 = bg.load_cpu_extension("forklm_block_gemm", bg._SOURCE)
     vnni = bg._extension()
     assert avx2 is not vnni and "vnni" in vnni.__name__  # the VNNI build, not a silent fallback
-    k = 768 if kind.endswith("_k") else 640
+    k = 768 if kind in K_KINDS else 640
     w = random_weights(kind, 197, k, seed=11)
     for t in (1, 2, 3, 4, 5, 9):
         x = torch.randn(t, k) * 3
@@ -477,7 +500,7 @@ def test_every_row_count_gives_each_row_its_lone_products_bit_for_bit(kind):
     """Row counts take different tiles (4-row tiles, then 3, 2 or a lone row's own loop, paired
     activations for Q4_1-type blocks): every product, plain and fused, gives each row the bits that
     row gets alone, with an odd number of blocks (the last one alone) and against the slow reference."""
-    for k in ((256, 768) if kind.endswith("_k") else (160, 640)):
+    for k in ((256, 768) if kind in K_KINDS else (160, 640)):
         w = random_weights(kind, 197, k, seed=k)
         args = w.kernel_arrays()
         fn = getattr(bg._extension(), f"gemm_{kind}")
@@ -572,7 +595,7 @@ def test_cpu_isa_avx2_takes_every_choice_an_avx2_cpu_would(monkeypatch):
 def test_weight_rows_of_every_layout_are_those_rows(kind):
     """`rows` (an embedding lookup in a tied table held as blocks: a Q6_K token_embd is common) keeps
     every array of the layout, minima and K-quant scales regrouped: the rows' values exactly."""
-    k = 512 if kind.endswith("_k") else 576
+    k = 512 if kind in K_KINDS else 576
     w = random_weights(kind, 37, k, seed=1)
     ids = torch.tensor([5, 0, 36, 17, 8, 9, 9])
     assert torch.equal(w.rows(ids).dequantize(), w.dequantize()[ids])

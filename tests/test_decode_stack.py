@@ -107,6 +107,13 @@ def as_blocks(w: torch.Tensor, kind: str):
         levels = bg.IQ4_NL_LEVELS.float()
         q = (blocks / d.unsqueeze(-1)).unsqueeze(-1).sub(levels).abs().argmin(-1).to(torch.uint8).view(n, k)
         return bg.pack_iq4_nl(q, d)
+    if kind == "iq4_xs":  # the nearest level under a 6-bit scale per 32 of a float16 scale per 256
+        d32 = blocks.abs().amax(-1) / 127
+        ds = (d32.view(n, -1, 8).amax(-1) / 31).half().float().clamp_min(1e-6)
+        sc = torch.round(d32 / ds.repeat_interleave(8, 1)).clamp(1, 31)
+        step = (ds.repeat_interleave(8, 1) * sc).unsqueeze(-1)
+        q = (blocks / step).unsqueeze(-1).sub(bg.IQ4_NL_LEVELS.float()).abs().argmin(-1).to(torch.uint8).view(n, k)
+        return bg.pack_iq4_xs(q, ds, sc.to(torch.int8))
     if kind == "q3_k":
         scale = blocks.view(n, -1, 16).abs().amax(-1) / 4  # per 16 values, q in −4..3
         ds = (scale.view(n, -1, 16).amax(-1) / 31).half().float().clamp_min(1e-6)
@@ -144,7 +151,7 @@ def as_blocks(w: torch.Tensor, kind: str):
 
 
 def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
-    """Q5_1 (GGUF Q5_0 / Q5_1), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and Q8_0 matrices mixed across a model's layers: the
+    """Q5_1 (GGUF Q5_0 / Q5_1), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS matrices mixed across a model's layers: the
     stack's samples and log-probabilities equal the layer loop's bit for bit."""
     from conftest import tiny_llama
 
@@ -153,13 +160,13 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "q3_k", "q2_k", "iq4_nl"]
+    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"]
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
-            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % 8]))
+            layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % len(kinds)]))
     # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside
     # Q6_K; Q2_K beside Q3_K, as a Q2_K file mixes them)
-    pairs = (("q5_1", "q8_0"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_nl", "q5_k"))
+    pairs = (("q5_1", "q8_0"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_nl", "iq4_xs"))
     for layer, (a, b) in zip(model.layers, pairs):
         w = layer["qkv"].dequantize()
         layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)])
@@ -167,7 +174,7 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
         layer["gate_up"] = BlockLinear([as_blocks(w[:512], b), as_blocks(w[512:], a)])
         w = layer["down"].dequantize()  # the residual fused into parts: each its columns
         layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
-    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k", "q2_k+q3_k", "iq4_nl+q5_k"}
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k", "q2_k+q3_k", "iq4_nl+iq4_xs"}
     assert {layer["o"].kind for layer in model.layers} == {"q4_k", "q8_0", "q3_k", "iq4_nl"}
     calls = count_stack_steps(monkeypatch)
     prompts = [[random.Random(i).randrange(29) for _ in range(30 + 7 * i)] for i in range(3)]

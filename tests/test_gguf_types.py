@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err
-from gguf_files import k_quant_type, low_bit_type, requantize, zoo_type
+from gguf_files import iq4_type, k_quant_type, low_bit_type, requantize, zoo_type
 
 from forklm.kernels import block_gemm, ggml_gemm
 from forklm.models import quant
@@ -131,18 +131,26 @@ def low_bit_gguf(smollm2_gguf, tmp_path_factory):
     return requantize(smollm2_gguf, tmp_path_factory.mktemp("gguf") / "smollm2-q2_k-like.gguf", low_bit_type)
 
 
-def test_a_q2_k_q3_k_file_runs_whole_on_the_block_kernel_and_the_decode_stack(low_bit_gguf):
-    """Q2_K / Q3_K matrices (beside Q4_0) on the block kernel's own layouts, every layer in the decode
-    stack: logits close to the exact float path of the same file, the dequantized weights that
-    path's bit for bit, greedy samples the same on the stack as in the layer loop, seeded samples
-    independent of n."""
+@pytest.fixture(scope="session")
+def iq4_gguf(smollm2_gguf, tmp_path_factory):
+    return requantize(smollm2_gguf, tmp_path_factory.mktemp("gguf") / "smollm2-iq4_xs-like.gguf", iq4_type)
+
+
+@pytest.mark.parametrize("case", ["q2_k+q3_k", "iq4_xs+iq4_nl"])
+def test_a_low_bit_file_runs_whole_on_the_block_kernel_and_the_decode_stack(case, request):
+    """Q2_K / Q3_K matrices (beside Q4_0), or IQ4_XS (beside IQ4_NL), on the block kernel's own layouts,
+    every layer in the decode stack: logits close to the exact float path of the same file, the
+    dequantized weights that path's bit for bit, greedy samples the same on the stack as in the layer
+    loop, seeded samples independent of n."""
     from forklm import LLM
     from tests.test_quant import model_logits
 
-    llm = LLM(str(low_bit_gguf))
-    ref = LLM(str(low_bit_gguf), dtype="float32", quantize=None)
+    path = request.getfixturevalue("low_bit_gguf" if case == "q2_k+q3_k" else "iq4_gguf")
+    down_kinds = ["q2_k", "q3_k"] if case == "q2_k+q3_k" else ["iq4_xs", "iq4_xs"]
+    llm = LLM(str(path))
+    ref = LLM(str(path), dtype="float32", quantize=None)
     m = llm.model
-    assert [m.layers[i]["down"].kind for i in (0, 1)] == ["q2_k", "q3_k"]
+    assert [m.layers[i]["down"].kind for i in (0, 1)] == down_kinds
     assert all(isinstance(layer[name], BlockLinear) and layer[name].dense is None
                for layer in m.layers for name in ("qkv", "o", "gate_up", "down"))
     for i in (0, 1):
@@ -176,7 +184,7 @@ def test_a_type_without_a_kernel_is_refused_by_name():
 
 def test_without_ggml_a_file_of_its_types_is_refused_and_the_float_path_runs(zoo_gguf, kquant_gguf):
     """Without ggml's kernels: the Q4_K_M-like file runs whole on the block kernel; the zoo file
-    (IQ4_XS, F16, BF16: only ggml runs them) is refused by name, and its float path still runs."""
+    (F16, BF16: only ggml runs them) is refused by name, and its float path still runs."""
     code = (
         "import sys\n"
         "from forklm import LLM\n"

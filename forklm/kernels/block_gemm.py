@@ -1,4 +1,4 @@
-"""GGUF weight blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL layouts) times float32
+"""GGUF weight blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS layouts) times float32
 activations on x86 CPUs with AVX2: integer dot products over activations quantized per row and block
 of 32 (K-quants: per super-block of 256, the sub-block scales applied in integers) (csrc/block_gemm.cpp, built on first use by `kernels/native.py` into forklm's cache; on CPUs with
 AVX512-VNNI a variant built with it, equal bit for bit: `uses_vnni`).
@@ -31,6 +31,7 @@ BLOCK = 32
 # IQ4_NL's 16 non-linear levels (ggml's kvalues_iq4nl): w = d·IQ4_NL_LEVELS[q]
 IQ4_NL_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
 SUPER_BLOCK = 256  # a K-quant super-block (K-quant weights take activations quantized per 256)
+SUPER_BLOCK_KINDS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")  # the layouts whose activations are per 256
 _SOURCE = Path(__file__).parent / "csrc" / "block_gemm.cpp"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -189,6 +190,9 @@ class BlockWeights:
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
     iq4_nl: GGUF IQ4_NL: qs uint8 [N, K/2] level indices as q4_1's nibbles, d float16 [N, K/32], m None:
           w = d·IQ4_NL_LEVELS[q] (run as q8_0 on the looked-up int8 levels).
+    iq4_xs: GGUF IQ4_XS (K a multiple of 256): qs as iq4_nl's (the file's own order), d float16
+          [N, K/256] (ds), sc int8 [N, K/32] (the file's 6-bit scales − 32), m None:
+          w = ds·sc·IQ4_NL_LEVELS[q] (run as the K-quants, in integers per super-block).
     """
 
     kind: str
@@ -214,7 +218,8 @@ class BlockWeights:
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
-                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d), "iq4_nl": (self.qs, self.d)}[self.kind]
+                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d), "iq4_nl": (self.qs, self.d),
+                "iq4_xs": (self.qs, self.d, self.sc)}[self.kind]
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q [N, K] uint8 0..15 / 0..31 or int8, d float32 [N, K/32] (q6_k / q3_k / q2_k: [N, K/16], a
@@ -233,6 +238,8 @@ class BlockWeights:
         q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(self.n, self.k)
         if self.kind == "iq4_nl":  # level indices
             return IQ4_NL_LEVELS[q.long()], self.d.float(), None
+        if self.kind == "iq4_xs":
+            return IQ4_NL_LEVELS[q.long()], self.d.float().repeat_interleave(8, dim=1) * self.sc.float(), None
         if self.kind == "q6_k":
             high = (self.q2.view(self.n, self.k // BLOCK, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
             q = (q | (high.reshape(self.n, self.k) << 4)).to(torch.int8) - 32
@@ -436,6 +443,17 @@ def pack_iq4_nl(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
     return BlockWeights("iq4_nl", pack_nibbles(q), _exact_half(d, "d"), None, n, k)
 
 
+def pack_iq4_xs(q: torch.Tensor, ds: torch.Tensor, sc: torch.Tensor) -> BlockWeights:
+    """q uint8 [N, K] level indices in 0..15, ds [N, K/256] holding float16 values, sc int8 [N, K/32] in
+    −32..31 (the file's 6-bit scales − 32): w = ds·sc·IQ4_NL_LEVELS[q]."""
+    n, k = q.shape
+    if k % SUPER_BLOCK:
+        raise ValueError(f"IQ4_XS blocks need K divisible by 256, got {k}")
+    if q.min() < 0 or q.max() > 15 or sc.min() < -32 or sc.max() > 31:
+        raise ValueError("IQ4_XS level indices must lie in 0..15 and its scales in -32..31")
+    return BlockWeights("iq4_xs", pack_nibbles(q), _exact_half(ds, "ds"), None, n, k, sc=sc.to(torch.int8).contiguous())
+
+
 def _check_k(k: int) -> None:
     if k % BLOCK:
         raise ValueError(f"block weights need K divisible by {BLOCK}, got {k}")
@@ -531,7 +549,7 @@ def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tenso
     if residual is not None:
         return residual + gemm_reference(x, w)
     t, k = x.shape
-    act_block = SUPER_BLOCK if w.kind.endswith("_k") else BLOCK  # K-quant weights: activations per 256
+    act_block = SUPER_BLOCK if w.kind in SUPER_BLOCK_KINDS else BLOCK  # K-quant weights: activations per 256
     qx, dx, sx = quantize_q8_reference(x, block=act_block)
     qw, dw, mw = w.unpack()
     ng = dw.shape[1]  # groups of values sharing a weight scale: blocks of 32 (q6_k / q3_k / q2_k: halves of 16)

@@ -1,6 +1,6 @@
 """Weights kept quantized at run time: int8 per-output-channel and int4 group-wise weight-only
 formats over PyTorch's CPU kernels, and a GGUF file's blocks kept as stored: Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL on forklm's block kernel (`BlockLinear`), every other type ggml runs
+Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL / IQ4_XS on forklm's block kernel (`BlockLinear`), every other type ggml runs
 on ggml's dot products (`GGMLLinear`).
 
 Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
@@ -191,7 +191,7 @@ class QuantizedLinear:
 
 class BlockLinear(QuantizedLinear):
     """y = x @ wᵀ with w [out, in] kept as a GGUF file's blocks in one of the block kernel's layouts
-    (`forklm.kernels.block_gemm.BlockWeights`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL,
+    (`forklm.kernels.block_gemm.BlockWeights`: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL / IQ4_XS,
     every value as stored), run by forklm's AVX2 integer kernel (activations quantized per row
     and block of 32, as llama.cpp does; each row's result depends on that row alone) at every row
     count. A fused matrix whose parts take different layouts (a Q5_0 q beside a Q8_0 v) holds one
@@ -306,14 +306,14 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
 # GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
 BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0",
                       "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
-                      "IQ4_NL": "iq4_nl"}
+                      "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
 
 
 def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
     Q4_0 / Q4_1 parts as q4_1, with a Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth
     bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
-    q2_k; Q8_0 parts as q8_0; IQ4_NL parts as iq4_nl."""
+    q2_k; Q8_0 parts as q8_0; IQ4_NL parts as iq4_nl; IQ4_XS parts as iq4_xs."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -352,7 +352,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
     with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
     5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
-    against the file's 3.44), Q2_K's scale / minimum bytes as stored (2.63 bits, as the file)."""
+    against the file's 3.44), Q2_K's scale / minimum bytes as stored (2.63 bits, as the file); IQ4_NL's
+    and IQ4_XS's level indices as stored, IQ4_XS's 6-bit scales an int8 per 32 (4.31 bits against 4.25)."""
     from forklm.kernels import block_gemm
 
     kind = block_kernel_kind([p.type_name for p in parts])
@@ -360,17 +361,19 @@ def stored_block_weights(parts: list[GGMLWeights]):
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
     n, k = sum(p.n for p in parts), parts[0].k
     nb, nsb = k // 32, k // 256
-    k_quant = kind in ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k")
+    k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
     qs = torch.empty(n, k if kind == "q8_0" else k // 4 if two_bit else k // 2, dtype=torch.uint8)
     d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
-    m = None if kind in ("q8_0", "q6_k", "q3_k", "q2_k", "iq4_nl") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    m = None if kind in ("q8_0", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
     qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
     sc = mq = q2 = None
     if kind in ("q4_k", "q5_k"):
         sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
     elif kind == "q6_k":
         sc, q2 = torch.empty(n, k // 16, dtype=torch.int8), torch.empty(n, k // 4, dtype=torch.uint8)
+    elif kind == "iq4_xs":
+        sc = torch.empty(n, nb, dtype=torch.int8)
     elif two_bit:
         sc = torch.empty(n, k // 16, dtype=torch.int8 if kind == "q3_k" else torch.uint8)
         q2 = torch.empty(n, k // 8, dtype=torch.uint8) if kind == "q3_k" else None  # Q3_K's third-bit masks
@@ -387,6 +390,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
         return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
     if kind == "iq4_nl":
         return block_gemm.BlockWeights("iq4_nl", qs, d, None, n, k)
+    if kind == "iq4_xs":
+        return block_gemm.BlockWeights("iq4_xs", qs, d, None, n, k, sc=sc)
     if two_bit:
         return block_gemm.BlockWeights(kind, qs, d, None, n, k, sc=sc, q2=q2)
     if kind in ("q4_k", "q5_k"):
@@ -397,8 +402,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
 
 def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None):
     """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): parts of the
-    types the block kernel runs (`BLOCK_KERNEL_TYPES`: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL) on it, a run of
-    parts per layout (repacked once, `block_kernel_kind`), a matrix with any other part (IQ4_XS, F16,
+    types the block kernel runs (`BLOCK_KERNEL_TYPES`: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS) on it, a run of
+    parts per layout (repacked once, `block_kernel_kind`), a matrix with any other part (F16,
     BF16) on ggml's kernels over the file's bytes. A type neither runs is refused by name, never
     densified. block_kernel: whether the block kernel runs
     here (the backend's `block_kernel`; None: whether it is built)."""

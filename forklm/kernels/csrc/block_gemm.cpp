@@ -546,7 +546,8 @@ inline __m256i pick_scale_pair(int p) {
 }
 
 // The layouts with a scale per 16 values (`tile_s16`).
-enum Sub16 { NO_SUB16 = 0, SUB16_Q6 = 6, SUB16_Q3 = 3, SUB16_Q2 = 2 };
+// IQ4_XS rides along: its scale per 32 values is expanded to the pair of 16s at each super-block.
+enum Sub16 { NO_SUB16 = 0, SUB16_Q6 = 6, SUB16_Q3 = 3, SUB16_Q2 = 2, SUB16_IQ4XS = 4 };
 
 // 8 bytes where byte j holds 2-bit fields of values j, j + 8, j + 16, j + 24 (bits 0-1, 2-3, 4-5, 6-7)
 // -> those 32 values as bytes 0..3: broadcast to the four 8-byte quarters, quarter s shifted right by 2s.
@@ -611,6 +612,12 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
     __m256i sc16[TO], mn16[TO];
     float ds[TO], dmin[TO];
     for (int i = 0; i < TO; ++i) {
+      if constexpr (S16 == SUB16_IQ4XS) {  // 8 scales (a byte per 32 values), each doubled: one per 16
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + (o + i) * nb + sb * 8));
+        sc16[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(raw, raw));
+        ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
+        continue;
+      }
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (o + i) * 2 * nb + sb * 16));
       if constexpr (S16 == SUB16_Q2) {
         const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -635,24 +642,33 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
       __m256i halves[TO], fields[TO];  // the half's 8 scales as int16 in both 128-bit lanes; its 2-bit fields
       for (int i = 0; i < TO; ++i) {
         halves[i] = h ? _mm256_permute2x128_si256(sc16[i], sc16[i], 0x11) : _mm256_permute2x128_si256(sc16[i], sc16[i], 0x00);
-        if constexpr (S16 != SUB16_Q6)
+        if constexpr (S16 == SUB16_Q3 || S16 == SUB16_Q2)
           fields[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + sb * 64 + h * 32));
       }
       for (int jb = 0; jb < 4; ++jb) {
         const int b = 4 * h + jb;
         const __m256i pick = pick_scale_pair(jb);  // sub-blocks 2b, 2b + 1 of the half's 8
-        __m256i wv[TO], scale[TO];
+        __m256i wv[TO], scale[TO];  // IQ4_XS: wv the levels' magnitudes, sw the levels (their signs)
+        [[maybe_unused]] __m256i sw[TO];
         for (int i = 0; i < TO; ++i) {
-          if constexpr (S16 == SUB16_Q6)
+          if constexpr (S16 == SUB16_Q6) {
             wv[i] = load_q6(w, o + i, sb * 8 + b);
-          else
+          } else if constexpr (S16 == SUB16_IQ4XS) {
+            sw[i] = load_weights<false, false, true>(w, o + i, sb * 8 + b);
+            wv[i] = _mm256_sign_epi8(sw[i], sw[i]);
+          } else {
             wv[i] = low_bit_values<S16>(fields[i], masks[i], jb, b);
+          }
           scale[i] = _mm256_shuffle_epi8(halves[i], pick);
         }
         for (int j = 0; j < TN; ++j) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + (sb * 8 + b) * QK));
-          for (int i = 0; i < TO; ++i)
-            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xv), scale[i]));
+          for (int i = 0; i < TO; ++i) {
+            // IQ4_XS: |w| times x carrying w's sign (|w| <= 127, |x| <= 127: pair sums <= 32258)
+            __m256i xs = xv;
+            if constexpr (S16 == SUB16_IQ4XS) xs = _mm256_sign_epi8(xv, sw[i]);
+            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xs), scale[i]));
+          }
         }
       }
     }
@@ -660,7 +676,9 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
       const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + j * (x.K / 16) + sb * 16));
       const float dx = x.d[j * nsb + sb];
       for (int i = 0; i < TO; ++i) {
-        if constexpr (S16 == SUB16_Q2) {
+        if constexpr (S16 == SUB16_IQ4XS) {  // signed values: no offset
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
+        } else if constexpr (S16 == SUB16_Q2) {
           acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(isum[i][j]), acc[i][j]);
           acc[i][j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin[i] * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mn16[i])),
                                        acc[i][j]);
@@ -862,7 +880,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                    const torch::Tensor& sc = torch::Tensor(), const torch::Tensor& dm = torch::Tensor()) {
   static_assert(Q41 || (!H5 && !KS), "fifth bits and K-quant scales belong to blocks with minima");
   static_assert(S16 == NO_SUB16 || (!Q41 && !H5 && !KS), "scales per 16 values are layouts of their own");
-  constexpr bool S6 = S16 == SUB16_Q6, S3 = S16 == SUB16_Q3, S2 = S16 == SUB16_Q2, SUB = S16 != NO_SUB16;
+  constexpr bool S6 = S16 == SUB16_Q6, S3 = S16 == SUB16_Q3, S2 = S16 == SUB16_Q2, SX = S16 == SUB16_IQ4XS,
+                 SUB = S16 != NO_SUB16;
   const torch::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(),
               "activations must be a float32 CPU matrix [T, K]");
@@ -872,7 +891,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
   static_assert(!NL || (!Q41 && S16 == NO_SUB16), "IQ4_NL is a layout of its own");
-  const int64_t row_bytes = Q41 || S6 || NL ? nb * 16 : S3 || S2 ? nb * 8 : K;
+  const int64_t row_bytes = Q41 || S6 || NL || SX ? nb * 16 : S3 || S2 ? nb * 8 : K;
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
               "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
   if (SUB) {
@@ -890,9 +909,10 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                 S2 ? "super-block scales (ds, dmin) must be contiguous float16 [N, K/128]"
                    : "super-block scales ds must be contiguous float16 [N, K/256]");
     TORCH_CHECK(sc.defined() && sc.dim() == 2 && sc.scalar_type() == (S2 ? torch::kUInt8 : torch::kInt8) &&
-                    sc.is_contiguous() && sc.is_cpu() && sc.size(0) == n && sc.size(1) == 2 * nb,
+                    sc.is_contiguous() && sc.is_cpu() && sc.size(0) == n && sc.size(1) == (SX ? nb : 2 * nb),
                 S2 ? "Q2_K sub-block scales and minima sc must be contiguous uint8 [N, K/16]"
-                   : "sub-block scales sc must be contiguous int8 [N, K/16]");
+                : SX ? "IQ4_XS block scales sc must be contiguous int8 [N, K/32]"
+                     : "sub-block scales sc must be contiguous int8 [N, K/16]");
   } else if (KS) {
     TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
     TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == n &&
@@ -942,7 +962,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                 KS || SUB ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
                 KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr,
                 S6 || S3 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
-  w_all.scales_per_16 = SUB;
+  w_all.scales_per_16 = SUB && !SX;
   const int8_t* qx = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const SuperActs super_rows{qx, dx, SUB || KS ? xq.sums.data_ptr<int16_t>() : nullptr, K};
@@ -1096,6 +1116,12 @@ torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const t
   return gemm<false>(x, qs, d, d, prologue, norm_weight, eps, residual);
 }
 
+torch::Tensor gemm_iq4_xs(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& sc,
+                          int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
+                          const std::optional<torch::Tensor>& residual) {
+  return gemm<false, false, false, SUB16_IQ4XS>(x, qs, d, d, prologue, norm_weight, eps, residual, torch::Tensor(), sc);
+}
+
 torch::Tensor gemm_iq4_nl(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, int64_t prologue,
                           const std::optional<torch::Tensor>& norm_weight, double eps,
                           const std::optional<torch::Tensor>& residual) {
@@ -1145,13 +1171,14 @@ inline uint16_t scaled_half(uint16_t d, float factor, bool* overflow) {
   return h;
 }
 
-enum class Stored { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, Unknown };
+enum class Stored { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS, Unknown };
 
 Stored stored_type(const std::string& t) {
   return t == "Q4_0" ? Stored::Q4_0 : t == "Q4_1" ? Stored::Q4_1 : t == "Q5_0" ? Stored::Q5_0
          : t == "Q5_1" ? Stored::Q5_1 : t == "Q8_0" ? Stored::Q8_0 : t == "Q4_K" ? Stored::Q4_K
          : t == "Q5_K" ? Stored::Q5_K : t == "Q6_K" ? Stored::Q6_K : t == "Q3_K" ? Stored::Q3_K
-         : t == "Q2_K" ? Stored::Q2_K : t == "IQ4_NL" ? Stored::IQ4_NL : Stored::Unknown;
+         : t == "Q2_K" ? Stored::Q2_K : t == "IQ4_NL" ? Stored::IQ4_NL : t == "IQ4_XS" ? Stored::IQ4_XS
+         : Stored::Unknown;
 }
 
 // one row of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks (32 values each)
@@ -1288,6 +1315,22 @@ void repack_q2_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint16_t* d, 
   }
 }
 
+// one row of IQ4_XS super-blocks (256 values: d, 2 high bits of 8 scales, their 4 low bits, 128 bytes of
+// level indices), as ggml's dequantize_row_iq4_xs reads them: the indices as stored (per 32 values 16
+// bytes, value j low, j + 16 high: IQ4_NL's order), each block's 6-bit scale − 32 as an int8
+void repack_iq4_xs_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint16_t* d, int8_t* sc) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* x = src + s * 136;
+    d[s] = load_u16(x);
+    const int high = load_u16(x + 2);
+    for (int ib = 0; ib < 8; ++ib) {
+      const int ls = ((x[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((high >> (2 * ib)) & 3) << 4);
+      sc[s * 8 + ib] = static_cast<int8_t>(ls - 32);
+    }
+    std::memcpy(qs + s * 128, x + 8, 128);
+  }
+}
+
 template <typename T>
 T* rows_of(const std::optional<torch::Tensor>& t, int64_t row0, const char* name, int64_t n) {
   TORCH_CHECK(t.has_value() && t->is_contiguous() && t->dim() >= 1 && t->size(0) == n, "repack: ", name,
@@ -1304,12 +1347,12 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const Stored type = stored_type(type_name);
   const int64_t n = qs.size(0), r = raw.size(0), bytes = raw.size(1);
   TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
-  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 18, 0};
+  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 18, 136, 0};
   const int64_t block_bytes = kBlockBytes[static_cast<int>(type)];
   TORCH_CHECK(block_bytes > 0, "repack: no block-kernel layout for GGUF type ", type_name);
   TORCH_CHECK(bytes % block_bytes == 0, "repack: a row of ", bytes, " bytes is not whole ", type_name, " blocks");
   const bool legacy = block_bytes <= 34, q8 = type == Stored::Q8_0, q6 = type == Stored::Q6_K;
-  const bool q3 = type == Stored::Q3_K, q2k = type == Stored::Q2_K;
+  const bool q3 = type == Stored::Q3_K, q2k = type == Stored::Q2_K, xs = type == Stored::IQ4_XS;
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
   const int64_t nb = legacy ? blocks : blocks * 8;  // blocks of 32 per row
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
@@ -1319,7 +1362,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   uint32_t* qh_p = qh.has_value() ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
   TORCH_CHECK(qs.numel() / n == (q8 ? nb * 32 : q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
   TORCH_CHECK(d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
-  TORCH_CHECK(m_p != nullptr || q8 || q6 || q3 || q2k || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
+  TORCH_CHECK(m_p != nullptr || q8 || q6 || q3 || q2k || xs || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
   TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
               "repack: ", type_name, " needs qh");
   TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
@@ -1331,6 +1374,9 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   } else if (q6) {
     sc_p = rows_of<uint8_t>(sc, row0, "sc", n), q2_p = rows_of<uint8_t>(q2, row0, "q2", n);
     TORCH_CHECK(sc->numel() / n == blocks * 16 && q2->numel() / n == nb * 8, "repack: sc / q2 have the wrong width");
+  } else if (xs) {
+    sc_p = rows_of<uint8_t>(sc, row0, "sc", n);
+    TORCH_CHECK(sc->numel() / n == nb, "repack: sc has the wrong width");
   } else if (q3 || q2k) {
     sc_p = rows_of<uint8_t>(sc, row0, "sc", n);
     TORCH_CHECK(sc->numel() / n == blocks * 16, "repack: sc has the wrong width");
@@ -1356,6 +1402,8 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
                         reinterpret_cast<int8_t*>(sc_p) + i * blocks * 16);
       } else if (q2k) {
         repack_q2_k_row(row, blocks, qs_p + i * nb * 8, d_p + i * 2 * blocks, sc_p + i * blocks * 16);
+      } else if (xs) {
+        repack_iq4_xs_row(row, blocks, qs_p + i * nb * 16, d_p + i * blocks, reinterpret_cast<int8_t*>(sc_p) + i * nb);
       } else {
         repack_k_row(type == Stored::Q5_K, row, blocks, qs_p + i * nb * 16, d_p + i * blocks, m_p + i * blocks,
                      sc_p + i * nb, mq_p + i * nb, qh_p ? qh_p + i * nb : nullptr);
@@ -1436,6 +1484,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q2_k", &gemm_q2_k, "y [T, N] = x [T, K] float32 times Q2_K values (qs uint8 [N, K/4] the file's 2-bit fields, d fp16 [N, K/128] (ds, dmin) per 256, sc uint8 [N, K/16] scale | min << 4)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_iq4_xs", &gemm_iq4_xs, "y [T, N] = x [T, K] float32 times IQ4_XS weights (qs uint8 [N, K/2] nibbles as "
+        "Q4_1's, d fp16 [N, K/256], sc int8 [N, K/32] the 6-bit scales - 32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_iq4_nl", &gemm_iq4_nl, "y [T, N] = x [T, K] float32 times IQ4_NL weights (qs uint8 [N, K/2] nibbles as Q4_1's, d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
