@@ -25,7 +25,7 @@ from forklm.device import cpu_flags, cpu_model
 from forklm.kernels import block_gemm, ggml_gemm
 from forklm.models import quant
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 SHAPES = [(576, 1536), (3072, 576)]  # (N, K): SmolLM2's ffn_down and its fused gate/up
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     rows = []
     for type_name in args.types.split(","):
         for n, k in shapes:
-            if type_name.endswith("_K") and k % 256:
+            if (type_name.endswith("_K") or type_name == "IQ4_XS") and k % 256:
                 continue
             stored = ggml_gemm.quantize(torch.randn(n, k) * 0.05, type_name)
             blocks = quant.stored_block_weights([stored])
