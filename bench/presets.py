@@ -41,7 +41,7 @@ PRESET_DIR = REPO_ROOT / ".cache" / "presets"
 QUANTIZE_NAME = "llama-quantize"
 
 # llama-quantize's presets (tools/quantize/quantize.cpp) whose tensor types forklm runs as stored
-# (forklm/kernels/ggml_gemm.py GGML_TYPE_IDS; all but IQ4_XS / F16 / BF16 on its block kernel). Left out: the
+# (forklm/kernels/ggml_gemm.py GGML_TYPE_IDS; all but F16 / BF16 on its block kernel). Left out: the
 # IQ1-IQ3 / TQ types (an importance matrix, or types forklm has no kernel for), Q1_0 / Q2_0 /
 # MXFP4_MOE, and the aliases Q3_K / Q4_K / Q5_K (= the _M presets).
 PRESETS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -433,6 +434,8 @@ def test_native_string_reader_equals_the_python_loop():
 
     native = gguf_file.native_strings()
     if native is None:
+        if os.environ.get("FORKLM_NATIVE_STRINGS") == "0":
+            pytest.skip("the C++ string reader is turned off (FORKLM_NATIVE_STRINGS=0)")
         assert block_gemm.build_error() is not None, "the string reader must build where forklm's kernels build"
         pytest.skip("no C++ toolchain here")
     rng = random.Random(0x5EED)
@@ -458,5 +461,41 @@ def test_native_string_reader_equals_the_python_loop():
         native.read_strings(huge, 0, 1)
     texts = [s.decode("utf-8", "replace") for s in strings] + ["a b", " a", "a ", "a  b", "a b c", " "]
     assert gguf_file.split_pairs(texts) == [tuple(t.split(" ")) for t in texts]
+    assert gguf_file.split_pairs(tuple(texts[:50])) == [tuple(t.split(" ")) for t in texts[:50]]  # any sequence
     with pytest.raises(TypeError):
         native.split_pairs(["a b", 3])
+    # a count the buffer cannot hold is refused before anything is allocated (a corrupt header)
+    with pytest.raises(ValueError, match="past the end"):
+        native.read_strings(view, 13, 10**12)
+    with pytest.raises(ValueError, match="past the end"):
+        native.read_strings(view, 13, 2**64 - 1)
+    cur = gguf_file._Cursor(memoryview(np.frombuffer(blob[:17], dtype=np.uint8)))
+    cur.pos = 13
+    with pytest.raises(ValueError, match="past the end"):  # the Python loop too: a cut length
+        cur.python_strings(1)
+
+
+def test_tokenizer_from_the_native_strings_is_the_python_loops(smollm2_gguf):
+    """The vocabulary read by the C++ reader builds the tokenizer the Python loop's strings build:
+    the same metadata, special and user tokens, and encodings of text with special tokens in it."""
+    from forklm.models import gguf_file
+    from forklm.tokenizer import Tokenizer
+
+    if gguf_file.native_strings() is None:
+        pytest.skip("no C++ string reader here")
+    native_meta, _ = gguf_file.read_gguf(smollm2_gguf)
+    original = gguf_file.native_strings
+    try:
+        gguf_file.native_strings = lambda: None  # the Python loop (and str.split for the merges)
+        python_meta, _ = gguf_file.read_gguf(smollm2_gguf)
+        slow = Tokenizer.from_gguf_fields(python_meta)
+    finally:
+        gguf_file.native_strings = original
+    assert native_meta == python_meta
+    fast = Tokenizer.from_gguf_fields(native_meta)
+    assert fast._tok.get_added_tokens_decoder().keys() == slow._tok.get_added_tokens_decoder().keys()
+    assert [str(t) for t in fast._tok.get_added_tokens_decoder().values()] == \
+        [str(t) for t in slow._tok.get_added_tokens_decoder().values()]
+    assert fast.vocab_size == slow.vocab_size and fast.eos_token_ids == slow.eos_token_ids
+    text = "<|im_start|>user\nHello, wörld! 1234 ünïcode 🙂<|im_end|>\n  def f(x):\n\treturn x"
+    assert fast.encode(text) == slow.encode(text) and fast.decode(fast.encode(text)) == slow.decode(slow.encode(text))

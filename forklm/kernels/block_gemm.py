@@ -202,7 +202,7 @@ class BlockWeights:
     n: int
     k: int
     qh: torch.Tensor | None = None  # q5_1 / q5_k only
-    sc: torch.Tensor | None = None  # q4_k / q5_k / q6_k / q3_k / q2_k only
+    sc: torch.Tensor | None = None  # q4_k / q5_k / q6_k / q3_k / q2_k / iq4_xs only
     dm: torch.Tensor | None = None  # q4_k / q5_k only
     q2: torch.Tensor | None = None  # q6_k / q3_k only
 

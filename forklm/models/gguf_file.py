@@ -140,6 +140,8 @@ class _Cursor:
         out = []
         append = out.append
         for _ in range(count):
+            if pos + 8 > end:
+                raise ValueError("string runs past the end of the file")
             (n,) = length(buf, pos)
             pos += 8
             if pos + n > end:

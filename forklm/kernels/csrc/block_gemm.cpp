@@ -207,14 +207,14 @@ struct Weights {
   int64_t nb;
   int64_t row_bytes;  // of qs
   const uint32_t* qh = nullptr;  // Q5_1 / Q5_K only
-  const uint8_t* sc = nullptr;   // K-quant scales only (Q6_K / Q3_K / Q2_K: [N, 2·nb], one per 16 values)
+  const uint8_t* sc = nullptr;   // K-quant / IQ4_XS scales only ([N, nb]; Q6_K / Q3_K / Q2_K: [N, 2·nb], one per 16 values)
   const uint16_t* dm = nullptr;  // K-quant scales only
   const uint8_t* q2 = nullptr;   // Q6_K: [N, nb, 8] the values' bits 4-5; Q3_K: the third-bit masks
   // K-quant minima formed once per chunk of outputs [o0, o0 + 64) (`expand_k_minima`): mf [8, nb, 8]
   // grouped as m (o0 a multiple of 8)
   const float* mf = nullptr;
   int64_t o0 = 0;
-  bool scales_per_16 = false;  // Q6_K / Q3_K / Q2_K: sc holds 2·nb scales a row
+  bool scales_per_16 = false;  // Q6_K / Q3_K / Q2_K: sc holds 2·nb scales a row (IQ4_XS, also in tile_s16: nb)
 };
 
 // 32 bytes, byte i = 0xFF where bit i of `bits` is set, else 0.
