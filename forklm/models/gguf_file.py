@@ -172,8 +172,7 @@ def native_strings():
     try:
         module = native.load_extension("forklm_gguf_strings", _STRINGS_SOURCE, ["-O2"])
     except Exception as e:  # noqa: BLE001 - no compiler or no ninja: the Python loop instead
-        text = str(e).strip()
-        _strings_error = f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"
+        _strings_error = native._one_line(e)
         native.warn_once("GGUF string reader", _strings_error, "a Python loop reads the vocabulary instead")
         return None
     _strings_error = None
