@@ -51,41 +51,63 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 using forklm::hsum;
 
-// One row block of 32 floats -> 32 int8, its scale and scale·Σq (the scalar rule the Python
-// reference repeats: amax / 127 in float32, its reciprocal, x·id rounded half to even). A block
-// holding a NaN or an infinity gets d = s = NaN (the product's rows then come out NaN, as a dense
-// product's would); a block whose scale is below FLT_MIN quantizes to zeros (1/d would overflow).
-// max |x| over n values, and whether all are finite.
+// max |x| over n values (n a multiple of 8), and whether all are finite (8 lanes: max is exact in
+// any order, so the scalar rule's result).
 inline float block_amax(const float* x, int n, bool* finite) {
-  float amax = 0.f;
-  bool ok = true;
-  for (int i = 0; i < n; ++i) {
-    ok = ok && std::isfinite(x[i]);
-    amax = std::fmax(amax, std::fabs(x[i]));
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+    amax = _mm256_max_ps(amax, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // NaN or infinite
   }
-  *finite = ok;
-  return amax;
+  *finite = _mm256_movemask_ps(bad) == 0;
+  return forklm::hmax(amax);
 }
 
+// 8 floats x·id rounded half to even (the default rounding mode, as std::nearbyint) and clamped to
+// [-127, 127], as int32.
+inline __m256i round_clamp8(const float* x, __m256 id) {
+  const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x), id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(127.f), _mm256_max_ps(_mm256_set1_ps(-127.f), r)));
+}
+
+// 32 int32 values (4 x 8, in order) as 32 int8 in order (each within [-127, 127]: no saturation).
+inline void store_int8x32(int8_t* q, __m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline int hsum_int32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float scale_inverse(float dd) { return dd >= std::numeric_limits<float>::min() ? 1.f / dd : 0.f; }
+
+// One row block of 32 floats -> 32 int8, its scale and scale·Σq (the rule `quantize_q8_reference`
+// in block_gemm.py repeats value by value: amax / 127 in float32, its reciprocal, x·id rounded half to even). A block
+// holding a NaN or an infinity gets d = s = NaN (the product's rows then come out NaN, as a dense
+// product's would); a block whose scale is below FLT_MIN quantizes to zeros (1/d would overflow).
 inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
   bool finite;
   const float amax = block_amax(x, QK, &finite);
   if (!finite) {
-    for (int i = 0; i < QK; ++i) q[i] = 0;
+    std::memset(q, 0, QK);
     *d = *s = std::numeric_limits<float>::quiet_NaN();
     return;
   }
   const float dd = amax / 127.f;
-  const float id = dd >= std::numeric_limits<float>::min() ? 1.f / dd : 0.f;
-  int sum = 0;
-  for (int i = 0; i < QK; ++i) {
-    const float r = std::fmin(127.f, std::fmax(-127.f, std::nearbyint(x[i] * id)));  // default rounding: half to even
-    const int v = static_cast<int>(r);
-    q[i] = static_cast<int8_t>(v);
-    sum += v;
-  }
+  const __m256 id = _mm256_set1_ps(scale_inverse(dd));
+  const __m256i a = round_clamp8(x, id), b = round_clamp8(x + 8, id), c = round_clamp8(x + 16, id),
+                e = round_clamp8(x + 24, id);
+  store_int8x32(q, a, b, c, e);
   *d = dd;
-  *s = dd * static_cast<float>(sum);
+  *s = dd * static_cast<float>(hsum_int32(_mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, e))));
 }
 
 // One row super-block of 256 floats -> 256 int8 (the same rule over 256 values: d = max|x| / 127,
@@ -101,15 +123,14 @@ inline void quantize_super_block(const float* x, int8_t* q, float* d, int16_t* s
     return;
   }
   const float dd = amax / 127.f;
-  const float id = dd >= std::numeric_limits<float>::min() ? 1.f / dd : 0.f;
-  for (int g = 0; g < QKK / 16; ++g) {
-    int sum = 0;
-    for (int i = g * 16; i < g * 16 + 16; ++i) {
-      const int v = static_cast<int>(std::fmin(127.f, std::fmax(-127.f, std::nearbyint(x[i] * id))));
-      q[i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    sums[g] = static_cast<int16_t>(sum);
+  const __m256 id = _mm256_set1_ps(scale_inverse(dd));
+  for (int g = 0; g < QKK / 32; ++g) {  // 32 values: two sums of 16
+    const float* xg = x + g * 32;
+    const __m256i a = round_clamp8(xg, id), b = round_clamp8(xg + 8, id), c = round_clamp8(xg + 16, id),
+                  e = round_clamp8(xg + 24, id);
+    store_int8x32(q + g * 32, a, b, c, e);
+    sums[2 * g] = static_cast<int16_t>(hsum_int32(_mm256_add_epi32(a, b)));
+    sums[2 * g + 1] = static_cast<int16_t>(hsum_int32(_mm256_add_epi32(c, e)));
   }
   *d = dd;
 }
