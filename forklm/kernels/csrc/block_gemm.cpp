@@ -429,6 +429,15 @@ void minima_terms(const Weights& w, int64_t o0, int64_t o1, const float* sx, int
     float* out = mt + t * width;
     int64_t o = o0;
     for (; o < o1 && (o & 7) != 0; ++o) out[o - o0] = one(sxt, o);
+    for (; o + 64 <= o1; o += 64) {  // eight independent chains in flight (each output's chain as below)
+      __m256 a[8];
+      for (int g = 0; g < 8; ++g) a[g] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256 s = _mm256_set1_ps(sxt[b]);
+        for (int g = 0; g < 8; ++g) a[g] = _mm256_fmadd_ps(group8(b, o + 8 * g), s, a[g]);
+      }
+      for (int g = 0; g < 8; ++g) _mm256_storeu_ps(out + o - o0 + 8 * g, a[g]);
+    }
     for (; o + 32 <= o1; o += 32) {  // four independent chains in flight
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t b = 0; b < nb; ++b) {
