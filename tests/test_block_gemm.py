@@ -149,6 +149,36 @@ def test_activation_quantization_is_the_reference_bit_for_bit():
     assert q.abs().max() <= 127
 
 
+def test_vector_quantization_matches_the_scalar_rule_on_hard_rows():
+    """The AVX2 quantization (8 lanes at a time) against the reference on rows built to break it:
+    magnitudes from subnormal to near FLT_MAX, exact ties at random scales, negative zeros, the
+    block's largest value negative, and -inf / NaN in any lane of a block or super-block."""
+    g = torch.Generator().manual_seed(20261127)
+    rows = []
+    for scale in (1e-39, 1e-30, 1e-6, 1.0, 1e6, 1e30, 3e38 / 127):
+        rows.append(torch.randn(512, generator=g) * scale)
+    d = torch.rand(16, generator=g) + 0.5  # ties: values (k + 1/2)·d with the block's max 127·d exact
+    ties = (torch.randint(-127, 127, (16, 32), generator=g) + 0.5) * d.unsqueeze(1)
+    ties[:, 0] = -127 * d  # the largest magnitude negative: d = 127·d / 127
+    rows.append(ties.reshape(512))
+    neg_zero = torch.randn(512, generator=g)
+    neg_zero[::3] = -0.0
+    rows.append(neg_zero)
+    x = torch.stack(rows)
+    x[1, 37] = float("-inf")
+    x[2, 300] = float("nan")
+    x[4, 263] = float("inf")
+    x[5, 511] = float("nan")
+    for got, want in zip(bg.quantize_q8(x), bg.quantize_q8_reference(x)):
+        assert torch.equal(got.nan_to_num(-7.0), want.nan_to_num(-7.0))
+    q, dd, sums = bg.quantize_q8_k(x)
+    want = bg.quantize_q8_k_reference(x)
+    assert torch.equal(q, want[0]) and torch.equal(sums, want[2])
+    assert torch.equal(dd.nan_to_num(-7.0), want[1].nan_to_num(-7.0))
+    assert bg.quantize_q8(x)[1][1, 1].isnan() and q[1, :256].eq(0).all() and dd[1, 0].isnan()
+    assert q[0].eq(0).all()  # every block's scale below FLT_MIN: zeros
+
+
 def test_super_block_quantization_is_the_reference_bit_for_bit():
     """Q6_K weights take activations quantized per 256 with the sums of each 16 (ggml's Q8_K)."""
     x = torch.randn(5, 768) * torch.logspace(-3, 3, 5).unsqueeze(1)
