@@ -151,8 +151,9 @@ def test_activation_quantization_is_the_reference_bit_for_bit():
 
 def test_vector_quantization_matches_the_scalar_rule_on_hard_rows():
     """The AVX2 quantization (8 lanes at a time) against the reference on rows built to break it:
-    magnitudes from subnormal to near FLT_MAX, exact ties at random scales, negative zeros, the
-    block's largest value negative, and -inf / NaN in any lane of a block or super-block."""
+    magnitudes from subnormal to FLT_MAX itself, a block whose scale is exactly the smallest normal
+    float, exact ties at random scales, negative zeros, the block's largest value negative, and
+    -inf / NaN / inf in different lanes of blocks and super-blocks."""
     g = torch.Generator().manual_seed(20261127)
     rows = []
     for scale in (1e-39, 1e-30, 1e-6, 1.0, 1e6, 1e30, 3e38 / 127):
@@ -165,6 +166,10 @@ def test_vector_quantization_matches_the_scalar_rule_on_hard_rows():
     neg_zero[::3] = -0.0
     rows.append(neg_zero)
     x = torch.stack(rows)
+    big, tiny = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+    x[6, 40], x[6, 300] = big, -big  # finite: scale FLT_MAX / 127, values ±127
+    x[0, 64:96] = torch.rand(32, generator=g) * tiny * 127  # below the smallest normal scale: zeros
+    x[0, 70] = 127 * tiny  # ... but this one brings the block's scale to exactly FLT_MIN: quantized
     x[1, 37] = float("-inf")
     x[2, 300] = float("nan")
     x[4, 263] = float("inf")
@@ -176,7 +181,9 @@ def test_vector_quantization_matches_the_scalar_rule_on_hard_rows():
     assert torch.equal(q, want[0]) and torch.equal(sums, want[2])
     assert torch.equal(dd.nan_to_num(-7.0), want[1].nan_to_num(-7.0))
     assert bg.quantize_q8(x)[1][1, 1].isnan() and q[1, :256].eq(0).all() and dd[1, 0].isnan()
-    assert q[0].eq(0).all()  # every block's scale below FLT_MIN: zeros
+    q8, d8, _ = bg.quantize_q8(x)
+    assert d8[0, 2] == tiny and q8[0, 70] == 127 and q8[0, :64].eq(0).all()  # the FLT_MIN edge, either side
+    assert q8[6, 40] == 127 and q8[6, 300] == -127 and torch.isfinite(d8[6]).all()
 
 
 def test_super_block_quantization_is_the_reference_bit_for_bit():
