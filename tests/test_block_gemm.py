@@ -33,10 +33,32 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockQuantized:
 K_KINDS = ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"]  # layouts over super-blocks of 256
 
 
+def stored_q8_0_bytes(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 rows as a file stores them: uint8 [N, K/32·34], per block float16 d then 32 int8."""
+    n, k = q.shape
+    raw = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    raw[..., :2] = d.half().contiguous().view(torch.uint8).view(n, k // 32, 2)
+    raw[..., 2:] = q.contiguous().view(torch.uint8).view(n, k // 32, 32)
+    return raw.view(n, k // 32 * 34)
+
+
+def random_stored_q8_0(n: int, k: int, seed: int) -> bg.BlockWeights:
+    """Random Q8_0 blocks read where they are stored: two stored tensors fused along N, the first's
+    rows in a permuted order (as GGUF stores q / k)."""
+    b = random_blocks("q8_0", n, k, seed)
+    order = torch.randperm(n // 2, generator=torch.Generator().manual_seed(seed))
+    first, second = stored_q8_0_bytes(b.q[: n // 2], b.d[: n // 2]), stored_q8_0_bytes(b.q[n // 2:], b.d[n // 2:])
+    w = bg.stored_q8_0([(first[torch.argsort(order)].contiguous(), order), (second, None)], k)
+    assert torch.equal(w.dequantize(), b.to_block_weights().dequantize())
+    return w
+
+
 def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     """Random blocks of any layout the kernel runs (K-quant scales: 6-bit integers under float16
     super-block scales, as GGUF's Q4_K / Q5_K hold them; Q3_K's signed 6-bit scales per 16, Q2_K's 4-bit
     scales and minima per 16)."""
+    if kind == "q8_0_stored":
+        return random_stored_q8_0(n, k, seed)
     if kind == "iq4_nl":
         g = torch.Generator().manual_seed(seed)
         d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
@@ -70,7 +92,7 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"]
+KINDS = ["q4_1", "q5_1", "q8_0", "q8_0_stored", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"]
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
@@ -323,7 +345,7 @@ def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
     m, ref = llm.model, smollm2_f32.model
     assert llm.backend.block_kernel and backend.block_kernel_available()
-    assert m.layers[0]["qkv"].kind == "q4_1" and m.lm_head.kind == "q8_0"
+    assert m.layers[0]["qkv"].kind == "q4_1" and m.lm_head.kind == "q8_0_stored"  # read in the mapped file
     assert m.embed is None and m.lm_head.dense is None  # weights resident once: no dense copies
     want = ref.layers[5]["gate_up"]
     want = want.t() if ref.weight_layout == "in_out" else want
@@ -549,6 +571,62 @@ def test_every_row_count_gives_each_row_its_lone_products_bit_for_bit(kind):
                 y = fn(x_all[:t], *args, mode, norm, 1e-5, None if res is None else res[:t])
                 assert torch.equal(y, alone[:t]), (k, t, mode)
         assert rel_err(bg.gemm(x_all, w), bg.gemm_reference(x_all, w)) < 1e-5
+
+
+@pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (131, 2048)])
+def test_stored_q8_0_equals_the_separate_layout_bit_for_bit(n, k):
+    """Q8_0 read where the file stores it (34-byte blocks at each row's address; fused parts, a
+    permuted row order) gives the products of the same blocks copied into values and scales of their
+    own, bit for bit, at every row count (the lone row reads scales inline, tiles of rows per chunk)."""
+    stored = random_stored_q8_0(n, k, seed=n + k)
+    separate = bg.pack_q8_0(*stored.unpack()[:2])
+    for t in (1, 2, 3, 4, 5, 8, 9, 32):
+        x = torch.randn(t, k) * 2
+        assert torch.equal(bg.gemm(x, stored), bg.gemm(x, separate)), t
+    norm, res = torch.rand(k) + 0.5, torch.randn(3, n)
+    x = torch.randn(3, k)
+    assert torch.equal(bg.gemm(x, stored, norm_weight=norm, eps=1e-5, residual=res),
+                       bg.gemm(x, separate, norm_weight=norm, eps=1e-5, residual=res))
+    assert stored.num_bytes() == n * 8 + n * k // 32 * 34  # the addresses and the stored bytes, nothing copied
+
+
+def test_stored_q8_0_refuses_rows_it_cannot_read():
+    """Stored rows of the wrong type, width or layout, or a row order that leaves them, are refused at
+    construction (the kernel trusts the addresses it is given); the kernel refuses a non-address table."""
+    raw = stored_q8_0_bytes(torch.randint(-128, 128, (6, 64), dtype=torch.int8), torch.rand(6, 2))
+    with pytest.raises(ValueError, match="uint8"):
+        bg.stored_q8_0([(raw.view(torch.int8), None)], 64)
+    with pytest.raises(ValueError, match=r"\[n, 68\]"):
+        bg.stored_q8_0([(raw[:, :34], None)], 64)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        bg.stored_q8_0([(raw.t().contiguous().t(), None)], 64)
+    with pytest.raises(ValueError, match="row order"):
+        bg.stored_q8_0([(raw, torch.tensor([0, 1, 2, 3, 4, 6]))], 64)
+    with pytest.raises(ValueError, match="row order"):
+        bg.stored_q8_0([(raw, torch.tensor([0, 1]))], 64)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        bg.stored_q8_0([(raw, None)], 60)
+    with pytest.raises(RuntimeError, match="int64 CPU vector"):
+        bg._extension().gemm_q8_0_stored(torch.randn(2, 64), raw, 0, None, 0.0, None)
+
+
+def test_a_q8_0_file_is_read_in_its_mapping(smollm2_gguf):
+    """A GGUF file's Q8_0 tensors stay where the file is mapped: the LM head's stored rows lie in a
+    mapping of that file (no copy in memory of forklm's own), and its products are the repacked ones'."""
+    import os
+
+    from forklm import LLM
+
+    path = os.path.realpath(smollm2_gguf)
+    llm = LLM(path, dtype="float32", device="cpu")
+    head = llm.model.lm_head
+    assert head.kind == "q8_0_stored"
+    address = head.blocks.qs[0].item()
+    regions = [line.split() for line in open("/proc/self/maps")]
+    owner = [r for r in regions if int(r[0].split("-")[0], 16) <= address < int(r[0].split("-")[1], 16)]
+    assert owner and os.path.realpath(owner[0][-1]) == path
+    x = torch.randn(3, head.in_features)
+    assert torch.equal(head.kernel(x), bg.gemm(x, bg.pack_q8_0(*head.blocks.unpack()[:2])))
 
 
 def test_int8_from_a_float_checkpoint_runs_as_q8_0_blocks():

@@ -304,7 +304,7 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
 
 
 # GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
-BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0",
+BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0_stored",
                       "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
                       "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
 
@@ -313,7 +313,7 @@ def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
     Q4_0 / Q4_1 parts as q4_1, with a Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth
     bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
-    q2_k; Q8_0 parts as q8_0; IQ4_NL parts as iq4_nl; IQ4_XS parts as iq4_xs."""
+    q2_k; Q8_0 parts as q8_0_stored (read where the file stores them); IQ4_NL parts as iq4_nl; IQ4_XS parts as iq4_xs."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -360,12 +360,14 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if kind is None:
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
     n, k = sum(p.n for p in parts), parts[0].k
+    if kind == "q8_0_stored":  # read where the file stores it: no copy, the q / k row order an address table
+        return block_gemm.stored_q8_0([(p.data, p.row_order) for p in parts], k)
     nb, nsb = k // 32, k // 256
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
-    qs = torch.empty(n, k if kind == "q8_0" else k // 4 if two_bit else k // 2, dtype=torch.uint8)
+    qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
     d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
-    m = None if kind in ("q8_0", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    m = None if kind in ("q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
     qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
     sc = mq = q2 = None
     if kind in ("q4_k", "q5_k"):
@@ -384,8 +386,6 @@ def stored_block_weights(parts: list[GGMLWeights]):
         if overflowing:
             factor = -8 if part.type_name == "Q4_0" else -16
             raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")
-    if kind == "q8_0":
-        return block_gemm.BlockWeights("q8_0", qs.view(torch.int8), d, None, n, k)
     if kind == "q6_k":
         return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
     if kind == "iq4_nl":

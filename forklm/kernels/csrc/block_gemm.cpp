@@ -236,7 +236,30 @@ struct Weights {
   const float* mf = nullptr;
   int64_t o0 = 0;
   bool scales_per_16 = false;  // Q6_K / Q3_K / Q2_K: sc holds 2·nb scales a row (IQ4_XS, also in tile_s16: nb)
+  // Q8_0 read where the file stores it (`gemm_q8_0_stored`; qs, d unused): output o's blocks from
+  // address rows[o], each STORED_Q8_BYTES: its float16 d, then its 32 int8 values
+  const int64_t* rows = nullptr;
+  // their scales as floats for the chunk of outputs [o0, o0 + 64) (`expand_stored_scales`): [64, nb]
+  const float* rows_d = nullptr;
 };
+
+constexpr int64_t STORED_Q8_BYTES = 34;
+
+// Output o's stored Q8_0 block b (`Weights::rows`).
+inline const uint8_t* stored_block(const Weights& w, int64_t o, int64_t b) {
+  return reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(w.rows[o])) + b * STORED_Q8_BYTES;
+}
+
+// The stored Q8_0 scales of outputs [o0, o1) as floats, df[(o − o0)·nb + b], converted once per chunk
+// of outputs rather than once per tile of rows.
+inline void expand_stored_scales(const Weights& w, int64_t o0, int64_t o1, float* df) {
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t b = 0; b < w.nb; ++b) {
+      uint16_t h;
+      std::memcpy(&h, stored_block(w, o, b), sizeof h);
+      df[(o - o0) * w.nb + b] = half_to_float(h);
+    }
+}
 
 // 32 bytes, byte i = 0xFF where bit i of `bits` is set, else 0.
 inline __m256i bit_mask_bytes(uint32_t bits) {
@@ -378,6 +401,13 @@ inline __m256i block_dot(__m256i wv, __m256i xv) {
 // prefetches two tiles ahead (1.3x on a decode step's products, whose weights stream from memory).
 inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int64_t N) {
   if (first + count > N) return;
+  if (w.rows != nullptr) {  // Q8_0 as stored: each output's blocks, scales among them
+    for (int64_t i = 0; i < count; ++i) {
+      const char* row = reinterpret_cast<const char*>(stored_block(w, first + i, 0));
+      for (int64_t off = 0; off < w.nb * STORED_Q8_BYTES; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    }
+    return;
+  }
   const char* values = reinterpret_cast<const char*>(w.qs + first * w.row_bytes);
   for (int64_t off = 0; off < count * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
   if (w.sc == nullptr) {
@@ -470,33 +500,62 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
   for (const char* p = base + (o0 >> 3) * nb * 8 * bytes; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-// Q8_0 (NL: IQ4_NL, its levels looked up as int8): y[j·N + o + i] for i < TO outputs, j < TN activation rows (Q4_1-type blocks run on
-// `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K / Q3_K / Q2_K on `tile_s16`). scratch: >= TO·(TN + 1)·nb floats.
-template <int TO, int TN, bool NL = false>
+// Q8_0 (NL: IQ4_NL, its levels looked up as int8; ST: Q8_0 as the file stores it): y[j·N + o + i] for i < TO outputs, j < TN activation
+// rows (Q4_1-type blocks run on `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K / Q3_K / Q2_K on `tile_s16`).
+// scratch: >= TO·(TN + 1)·nb floats.
+template <int TO, int TN, bool NL = false, bool ST = false>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
-  float* dw = scratch;                 // [TO, nb]
-  float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
   prefetch_outputs(w, o + 2 * TO, TO, N);
-  for (int i = 0; i < TO; ++i) {
-    halves_to_float(w.d + (o + i) * w.nb, dw + i * nb, w.nb);
-    for (int j = 0; j < TN; ++j) {
-      float* s = sc + (i * TN + j) * nb;
-      const float* dxj = x.d + j * nb;
-      for (int64_t b = 0; b < nb; ++b) s[b] = dw[i * nb + b] * dxj[b];
-    }
-  }
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i wv[TO];
-    for (int i = 0; i < TO; ++i) wv[i] = load_weights<false, false, NL>(w, o + i, b);
-    for (int j = 0; j < TN; ++j) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
+  if constexpr (ST && TN == 1) {  // each block's scale read beside its values (the same float32 dw·dx as below)
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i wv[TO];
+      float dw[TO];
       for (int i = 0; i < TO; ++i) {
-        const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
-        acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (i * TN + j) * nb + b), p, acc[i][j]);
+        const uint8_t* block = stored_block(w, o + i, b);
+        uint16_t h;
+        std::memcpy(&h, block, sizeof h);
+        dw[i] = half_to_float(h);
+        wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+      }
+      for (int j = 0; j < TN; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
+        const float dxj = x.d[j * nb + b];
+        for (int i = 0; i < TO; ++i) {
+          const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * dxj), p, acc[i][j]);
+        }
+      }
+    }
+  } else {
+    float* dw = scratch;                 // [TO, nb]
+    float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
+    for (int i = 0; i < TO; ++i) {
+      if constexpr (ST) {
+        std::memcpy(dw + i * nb, w.rows_d + (o + i - w.o0) * nb, nb * sizeof(float));
+      } else {
+        halves_to_float(w.d + (o + i) * w.nb, dw + i * nb, w.nb);
+      }
+      for (int j = 0; j < TN; ++j) {
+        float* s = sc + (i * TN + j) * nb;
+        const float* dxj = x.d + j * nb;
+        for (int64_t b = 0; b < nb; ++b) s[b] = dw[i * nb + b] * dxj[b];
+      }
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i wv[TO];
+      for (int i = 0; i < TO; ++i)
+        wv[i] = ST ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stored_block(w, o + i, b) + 2))
+                   : load_weights<false, false, NL>(w, o + i, b);
+      for (int j = 0; j < TN; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
+        for (int i = 0; i < TO; ++i) {
+          const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (i * TN + j) * nb + b), p, acc[i][j]);
+        }
       }
     }
   }
@@ -731,11 +790,11 @@ void tile_s16_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x,
   for (; o < o1; ++o) tile_s16<S16, 1, TN>(w, o, x, y, N);
 }
 
-template <int TO, int TN, bool NL = false>
+template <int TO, int TN, bool NL = false, bool ST = false>
 void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) tile<TO, TN, NL>(w, o, x, y, N, scratch);
-  for (; o < o1; ++o) tile<1, TN, NL>(w, o, x, y, N, scratch);
+  for (; o + TO <= o1; o += TO) tile<TO, TN, NL, ST>(w, o, x, y, N, scratch);
+  for (; o < o1; ++o) tile<1, TN, NL, ST>(w, o, x, y, N, scratch);
 }
 
 template <int TO, int TN, bool H5 = false>
@@ -902,8 +961,9 @@ constexpr int64_t SCRATCH_PER_BLOCK = cmax(cmax(ROW_TILE_OUTS * 5, 1 * 2), cmax(
 // Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm);
 // S16: a layout with a scale per 16 values (`Sub16`): Q6_K (qs, q2 passed as qh, d: ds, sc), Q3_K
 // (qs: the 2-bit plane, qh: the third bits, d: ds, sc), Q2_K (qs: the 2-bit plane, d: ds and dmin, sc);
-// NL: IQ4_NL (qs nibbles as Q4_1's, d), run as Q8_0 on its looked-up levels.
-template <bool Q41, bool H5 = false, bool KS = false, int S16 = NO_SUB16, bool NL = false>
+// NL: IQ4_NL (qs nibbles as Q4_1's, d), run as Q8_0 on its looked-up levels; ST: Q8_0 read where the
+// file stores it (qs: int64 [N] each output's first block's address, `Weights::rows`; d unused).
+template <bool Q41, bool H5 = false, bool KS = false, int S16 = NO_SUB16, bool NL = false, bool ST = false>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
                    double eps, const std::optional<torch::Tensor>& residual, const torch::Tensor& qh = torch::Tensor(),
@@ -921,10 +981,17 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
   static_assert(!NL || (!Q41 && S16 == NO_SUB16), "IQ4_NL is a layout of its own");
+  static_assert(!ST || (!Q41 && !NL && S16 == NO_SUB16), "stored Q8_0 is a layout of its own");
   const int64_t row_bytes = Q41 || S6 || NL || SX ? nb * 16 : S3 || S2 ? nb * 8 : K;
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
-              "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
-  if (SUB) {
+  if (ST) {
+    TORCH_CHECK(qs.dim() == 1 && qs.scalar_type() == torch::kInt64 && qs.is_contiguous() && qs.is_cpu(),
+                "stored Q8_0 rows must be a contiguous int64 CPU vector [N] of addresses, got ", qs.sizes());
+  } else {
+    TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
+                "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
+  }
+  if (ST) {
+  } else if (SUB) {
     TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
     if (S6)
       TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
@@ -993,6 +1060,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                 KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr,
                 S6 || S3 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
   w_all.scales_per_16 = SUB && !SX;
+  if constexpr (ST) w_all.d = nullptr, w_all.rows = qs.data_ptr<int64_t>();
   const int8_t* qx = xq.q.data_ptr<int8_t>();
   const float* dx = xq.d.data_ptr<float>();
   const SuperActs super_rows{qx, dx, SUB || KS ? xq.sums.data_ptr<int16_t>() : nullptr, K};
@@ -1033,12 +1101,17 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
     std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
     std::vector<float> minima(chunk_minima ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
     std::vector<float> k_minima(KS ? ROWS_PER_CHUNK * nb : 0);
+    std::vector<float> stored_scales(ST && T > 1 ? ROWS_PER_CHUNK * nb : 0);
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       Weights w = w_all;  // K-quants: with this chunk's minima expanded
       if constexpr (KS) {
         expand_k_minima(w, c0, c1, k_minima.data());
         w.mf = k_minima.data(), w.o0 = c0;
+      }
+      if (ST && T > 1) {  // tiles of several rows read the chunk's scales as floats (a lone row: inline)
+        expand_stored_scales(w, c0, c1, stored_scales.data());
+        w.rows_d = stored_scales.data(), w.o0 = c0;
       }
       if (chunk_minima) {
         prefetch_minima(w, nb, c1, std::min(z, c1 + ROWS_PER_CHUNK));  // the next chunk's
@@ -1079,12 +1152,12 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
         }
       } else {  // Q8_0, IQ4_NL
         for (; t + 4 <= T; t += 4)
-          tile_rows<ROW_TILE_OUTS, 4, NL>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+          tile_rows<ROW_TILE_OUTS, 4, NL, ST>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
         const Acts rest = all.rows_from(t);
         switch (T - t) {
-          case 3: tile_rows<2, 3, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 2: tile_rows<4, 2, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 1: tile_rows<1, 1, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 3: tile_rows<2, 3, NL, ST>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 2: tile_rows<4, 2, NL, ST>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 1: tile_rows<1, 1, NL, ST>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
           default: break;
         }
       }
@@ -1144,6 +1217,34 @@ torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const t
                         const std::optional<torch::Tensor>& norm_weight, double eps,
                         const std::optional<torch::Tensor>& residual) {
   return gemm<false>(x, qs, d, d, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_q8_0_stored(const torch::Tensor& x, const torch::Tensor& rows, int64_t prologue,
+                               const std::optional<torch::Tensor>& norm_weight, double eps,
+                               const std::optional<torch::Tensor>& residual) {
+  return gemm<false, false, false, NO_SUB16, false, true>(x, rows, rows, rows, prologue, norm_weight, eps, residual);
+}
+
+// Stored Q8_0 rows (`gemm_q8_0_stored`'s addresses, int64 [R]) -> (q int8 [R, K], d float16 [R, K/32]).
+std::vector<torch::Tensor> unpack_q8_0_stored(const torch::Tensor& rows, int64_t K) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && rows.is_cpu(),
+              "stored Q8_0 rows must be a contiguous int64 CPU vector of addresses");
+  TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of 32, got ", K);
+  const int64_t R = rows.size(0), nb = K / QK;
+  torch::Tensor q = torch::empty({R, K}, torch::kInt8), d = torch::empty({R, nb}, torch::kFloat16);
+  Weights w{nullptr, nullptr, nullptr, nb, 0};
+  w.rows = rows.data_ptr<int64_t>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  uint8_t* dp = reinterpret_cast<uint8_t*>(d.data_ptr());
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = stored_block(w, r, b);
+        std::memcpy(dp + (r * nb + b) * 2, block, 2);
+        std::memcpy(qp + r * K + b * QK, block + 2, QK);
+      }
+  });
+  return {q, d};
 }
 
 torch::Tensor gemm_iq4_xs(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& sc,
@@ -1211,17 +1312,13 @@ Stored stored_type(const std::string& t) {
          : Stored::Unknown;
 }
 
-// one row of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks (32 values each)
+// one row of Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks (32 values each)
 int64_t repack_legacy_row(Stored type, const uint8_t* src, int64_t nb, uint8_t* qs, uint16_t* d,
                           uint16_t* m, uint32_t* qh) {
   int64_t bad = 0;
   for (int64_t b = 0; b < nb; ++b) {
     bool over = false;
-    if (type == Stored::Q8_0) {  // d, 32 int8
-      const uint8_t* x = src + b * 34;
-      d[b] = load_u16(x);
-      std::memcpy(qs + b * 32, x + 2, 32);
-    } else if (type == Stored::Q4_1) {  // d, m, 16 bytes of nibbles
+    if (type == Stored::Q4_1) {  // d, m, 16 bytes of nibbles
       const uint8_t* x = src + b * 20;
       d[b] = load_u16(x), m[b] = load_u16(x + 2);
       std::memcpy(qs + b * 16, x + 4, 16);
@@ -1377,11 +1474,12 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const Stored type = stored_type(type_name);
   const int64_t n = qs.size(0), r = raw.size(0), bytes = raw.size(1);
   TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
-  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 18, 136, 0};
+  // Q8_0: none (its blocks are read where the file stores them, `gemm_q8_0_stored`)
+  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 0, 144, 176, 210, 110, 84, 18, 136, 0};
   const int64_t block_bytes = kBlockBytes[static_cast<int>(type)];
   TORCH_CHECK(block_bytes > 0, "repack: no block-kernel layout for GGUF type ", type_name);
   TORCH_CHECK(bytes % block_bytes == 0, "repack: a row of ", bytes, " bytes is not whole ", type_name, " blocks");
-  const bool legacy = block_bytes <= 34, q8 = type == Stored::Q8_0, q6 = type == Stored::Q6_K;
+  const bool legacy = block_bytes <= 24, q6 = type == Stored::Q6_K;
   const bool q3 = type == Stored::Q3_K, q2k = type == Stored::Q2_K, xs = type == Stored::IQ4_XS;
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
   const int64_t nb = legacy ? blocks : blocks * 8;  // blocks of 32 per row
@@ -1390,9 +1488,9 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   uint16_t* d_p = rows_of<uint16_t>(d_opt, row0, "d", n);
   uint16_t* m_p = m.has_value() ? rows_of<uint16_t>(m, row0, "m", n) : nullptr;
   uint32_t* qh_p = qh.has_value() ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
-  TORCH_CHECK(qs.numel() / n == (q8 ? nb * 32 : q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
+  TORCH_CHECK(qs.numel() / n == (q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
   TORCH_CHECK(d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
-  TORCH_CHECK(m_p != nullptr || q8 || q6 || q3 || q2k || xs || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
+  TORCH_CHECK(m_p != nullptr || q6 || q3 || q2k || xs || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
   TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
               "repack: ", type_name, " needs qh");
   TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
@@ -1422,7 +1520,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = src + i * bytes;
       if (legacy) {
-        local += repack_legacy_row(type, row, nb, qs_p + i * (q8 ? nb * 32 : nb * 16), d_p + i * nb,
+        local += repack_legacy_row(type, row, nb, qs_p + i * nb * 16, d_p + i * nb,
                                    m_p ? m_p + i * nb : nullptr, qh_p ? qh_p + i * nb : nullptr);
       } else if (q6) {
         repack_q6_k_row(row, blocks, qs_p + i * nb * 16, q2_p + i * nb * 8, d_p + i * blocks,
@@ -1514,6 +1612,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q2_k", &gemm_q2_k, "y [T, N] = x [T, K] float32 times Q2_K values (qs uint8 [N, K/4] the file's 2-bit fields, d fp16 [N, K/128] (ds, dmin) per 256, sc uint8 [N, K/16] scale | min << 4)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q8_0_stored", &gemm_q8_0_stored, "y [T, N] = x [T, K] float32 times Q8_0 weights read where the file "
+        "stores them (rows int64 [N]: the address of each output's first 34-byte block, fp16 d then 32 int8)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("unpack_q8_0_stored", &unpack_q8_0_stored, "stored Q8_0 rows (int64 [R] addresses) -> (q int8 [R, K], d fp16 [R, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_iq4_xs", &gemm_iq4_xs, "y [T, N] = x [T, K] float32 times IQ4_XS weights (qs uint8 [N, K/2] nibbles as "
         "Q4_1's, d fp16 [N, K/256], sc int8 [N, K/32] the 6-bit scales - 32)",
