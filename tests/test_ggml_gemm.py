@@ -139,8 +139,7 @@ def test_bad_shapes_are_clear_errors():
                                ["Q3_K"], ["Q3_K", "Q3_K"], ["Q2_K"], ["Q2_K", "Q2_K"], ["IQ4_XS"],
                                ["IQ4_XS", "IQ4_XS"])
        for k in (256, 1536)])
-@pytest.mark.parametrize("chunk_rows", [4096, 5])
-def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k, chunk_rows, monkeypatch):
+def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 / K-quant bytes repacked once for forklm's block kernel, Q8_0 read
     where it is stored (quant.stored_block_weights: Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks with minimum −8d / −16d; Q4_K /
     Q5_K values in Q4_1's order, their 6-bit scales a byte each; Q2_K / Q3_K's 2-bit fields and Q3_K's
@@ -150,7 +149,6 @@ def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k, chunk_
     the kernel's product is its slow reference's."""
     from forklm.models import quant
 
-    monkeypatch.setattr(quant, "REPACK_CHUNK_ROWS", chunk_rows)  # a permuted part gathered whole, or 5 rows at a time
     gen = torch.Generator().manual_seed(zlib.crc32("".join(types).encode()) + k)
     parts, want = [], []
     for i, t in enumerate(types):
@@ -165,6 +163,25 @@ def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k, chunk_
     assert torch.equal(w.dequantize(), torch.cat(want))
     x = torch.randn(5, k, generator=gen)
     assert ((block_gemm.gemm(x, w) - block_gemm.gemm_reference(x, w)).norm() / block_gemm.gemm_reference(x, w).norm()) < 1e-5
+
+
+def test_the_repack_refuses_a_row_order_outside_the_stored_rows():
+    """The q / k row order is gathered inside the C++ pass: an entry outside the stored rows (or of
+    the wrong type) is a clear error, never a read past the tensor."""
+    gen = torch.Generator().manual_seed(9)
+    rows = random_rows("Q4_1", 6, 64, gen)
+    qs, d, m = torch.empty(6, 32, dtype=torch.uint8), torch.empty(6, 2, dtype=torch.float16), torch.empty(6, 2, dtype=torch.float16)
+    order = torch.tensor([5, 4, 3, 2, 1, 0])
+    block_gemm.repack_rows("Q4_1", rows, 0, qs, d, m, order=order)
+    gathered = [torch.empty_like(t) for t in (qs, d, m)]
+    block_gemm.repack_rows("Q4_1", rows[order].contiguous(), 0, *gathered)
+    assert all(torch.equal(a, b) for a, b in zip((qs, d, m), gathered))  # the rows gathered in the pass
+    with pytest.raises(RuntimeError, match="outside the 6 stored rows"):
+        block_gemm.repack_rows("Q4_1", rows, 0, qs, d, m, order=torch.tensor([0, 1, 6]))
+    with pytest.raises(RuntimeError, match="outside"):
+        block_gemm.repack_rows("Q4_1", rows, 0, qs, d, m, order=torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="int64"):
+        block_gemm.repack_rows("Q4_1", rows, 0, qs, d, m, order=torch.tensor([0, 1], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("type_name,factor", [("Q4_0", -8), ("Q5_0", -16)])

@@ -526,11 +526,14 @@ def dense_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def repack_rows(type_name: str, raw: torch.Tensor, row0: int, qs: torch.Tensor, d: torch.Tensor,
                 m: torch.Tensor | None = None, qh: torch.Tensor | None = None, sc: torch.Tensor | None = None,
-                mq: torch.Tensor | None = None, q2: torch.Tensor | None = None) -> int:
+                mq: torch.Tensor | None = None, q2: torch.Tensor | None = None,
+                order: torch.Tensor | None = None) -> int:
     """GGUF blocks of `type_name` as stored (uint8 [r, row bytes]) -> rows row0 .. row0 + r of the
     kernel's arrays (before `block_minima` groups m / mq / dm), in one C++ pass (see
-    `models.quant.stored_block_weights`); returns how many Q4_0 / Q5_0 blocks' minimum overflows float16."""
-    return _extension().repack_rows(type_name, raw, row0, qs, d, m, qh, sc, mq, q2)
+    `models.quant.stored_block_weights`); with `order` (int64 [r']) the stored rows order[0], order[1],
+    ... instead (GGUF's q / k row order, gathered in the pass); returns how many Q4_0 / Q5_0 blocks'
+    minimum overflows float16."""
+    return _extension().repack_rows(type_name, raw, row0, qs, d, m, qh, sc, mq, q2, order)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

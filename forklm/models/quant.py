@@ -320,29 +320,6 @@ def block_kernel_kind(type_names) -> str | None:
     return {frozenset({"q4_1", "q5_1"}): "q5_1", frozenset({"q4_k", "q5_k"}): "q5_k"}.get(frozenset(kinds))
 
 
-REPACK_CHUNK_ROWS = 4096  # rows of a permuted part gathered at a time (the repack's one temporary)
-
-
-def _stored_rows(parts: list[GGMLWeights]):
-    """(first output row, stored bytes uint8 [r, row_bytes], part) of the fused parts in Hugging Face
-    order: a part stored in that order whole (a view of the file, no copy), a permuted one (GGUF's
-    q / k row order) gathered a chunk of rows at a time; each part's file pages are released once it is
-    read, so the file's copy and the repacked one are never both resident."""
-    from forklm.models.gguf_file import release_pages
-
-    r = 0
-    for p in parts:
-        if p.row_order is None:
-            yield r, p.data.contiguous(), p
-        else:
-            for c0 in range(0, p.n, REPACK_CHUNK_ROWS):
-                ids = torch.arange(c0, min(p.n, c0 + REPACK_CHUNK_ROWS))
-                yield r + c0, p.stored_rows(ids).contiguous(), p
-        r += p.n
-        if p.mapped:
-            release_pages(p.data)
-
-
 def stored_block_weights(parts: list[GGMLWeights]):
     """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`,
     `block_gemm.BlockWeights`), repacked from the stored bytes in one C++ pass (`repack_rows`): every
@@ -379,13 +356,20 @@ def stored_block_weights(parts: list[GGMLWeights]):
     elif two_bit:
         sc = torch.empty(n, k // 16, dtype=torch.int8 if kind == "q3_k" else torch.uint8)
         q2 = torch.empty(n, k // 8, dtype=torch.uint8) if kind == "q3_k" else None  # Q3_K's third-bit masks
-    for row0, raw, part in _stored_rows(parts):
-        if raw.shape[0] == 0:
-            continue
-        overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc, mq, q2)
-        if overflowing:
-            factor = -8 if part.type_name == "Q4_0" else -16
-            raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")
+    from forklm.models.gguf_file import release_pages
+
+    row0 = 0
+    for part in parts:  # each in Hugging Face row order (a permuted q / k gathered in the repack's pass)
+        if part.n:
+            raw = part.data.contiguous()
+            overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc,
+                                                 mq, q2, order=part.row_order)
+            if overflowing:
+                factor = -8 if part.type_name == "Q4_0" else -16
+                raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")
+        row0 += part.n
+        if part.mapped:  # the file's pages out of the resident set: its copy and the repacked one never both count
+            release_pages(part.data)
     if kind == "q6_k":
         return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
     if kind == "iq4_nl":

@@ -1468,11 +1468,19 @@ T* rows_of(const std::optional<torch::Tensor>& t, int64_t row0, const char* name
 int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int64_t row0, const torch::Tensor& qs,
                     const torch::Tensor& d, const std::optional<torch::Tensor>& m,
                     const std::optional<torch::Tensor>& qh, const std::optional<torch::Tensor>& sc,
-                    const std::optional<torch::Tensor>& mq, const std::optional<torch::Tensor>& q2) {
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous(),
+                    const std::optional<torch::Tensor>& mq, const std::optional<torch::Tensor>& q2,
+                    const std::optional<torch::Tensor>& order) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1 && raw.stride(0) == raw.size(1),
               "repack: stored rows must be a contiguous uint8 matrix");
+  if (order.has_value())
+    TORCH_CHECK(order->dim() == 1 && order->scalar_type() == torch::kInt64 && order->is_contiguous(),
+                "repack: the row order must be a contiguous int64 vector");
   const Stored type = stored_type(type_name);
-  const int64_t n = qs.size(0), r = raw.size(0), bytes = raw.size(1);
+  const int64_t n = qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
+  const int64_t* order_p = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; order_p != nullptr && i < r; ++i)
+    TORCH_CHECK(order_p[i] >= 0 && order_p[i] < raw.size(0), "repack: row order entry ", order_p[i], " outside the ",
+                raw.size(0), " stored rows");
   TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
   // Q8_0: none (its blocks are read where the file stores them, `gemm_q8_0_stored`)
   static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 0, 144, 176, 210, 110, 84, 18, 136, 0};
@@ -1518,7 +1526,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   at::parallel_for(0, r, 64, [&](int64_t begin, int64_t end) {
     int64_t local = 0;
     for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* row = src + i * bytes;
+      const uint8_t* row = src + (order_p != nullptr ? order_p[i] : i) * bytes;
       if (legacy) {
         local += repack_legacy_row(type, row, nb, qs_p + i * nb * 16, d_p + i * nb,
                                    m_p ? m_p + i * nb : nullptr, qh_p ? qh_p + i * nb : nullptr);
@@ -1626,11 +1634,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
         "output one dot product in a fixed order whatever T", py::call_guard<py::gil_scoped_release>());
   m.def("repack_rows", &repack_rows,
-        "GGUF blocks (uint8 [r, row bytes], type by name) -> rows row0.. of the kernel's arrays; returns the "
-        "number of Q4_0 / Q5_0 blocks whose minimum overflows float16",
+        "GGUF blocks (uint8 [r, row bytes], type by name; with order int64 [r']: rows order[i] of them) -> rows "
+        "row0.. of the kernel's arrays; returns the number of Q4_0 / Q5_0 blocks whose minimum overflows float16",
         py::arg("type"), py::arg("raw"), py::arg("row0"), py::arg("qs"), py::arg("d"), py::arg("m") = py::none(),
         py::arg("qh") = py::none(), py::arg("sc") = py::none(), py::arg("mq") = py::none(),
-        py::arg("q2") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("q2") = py::none(), py::arg("order") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("quantize_q8_k", &quantize_q8_k, "x [T, K] float32 -> (q int8 [T, K], d [T, K/256], sums of 16 int16 [T, K/16])",
