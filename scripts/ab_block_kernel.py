@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     mats = [b for layer in model.layers for k in ("qkv", "o", "gate_up", "down") for b in parts(layer[k])]
     mats += parts(model.lm_head)
     flat_minima = [None if b.m is None else bg.unblock_minima(b.m, b.n).contiguous() for b in mats]
+    # a build from before Q8_0 was read in place (no gemm_q8_0_stored) runs those blocks copied, as it loaded them
+    copied = {id(b): bg.pack_q8_0(*b.unpack()[:2]) for b in mats if b.kind == "q8_0_stored"}
     q4 = next((i for i, b in enumerate(mats) if b.kind == "q4_1"), None)
     for name, (ext, old) in builds.items():  # which minima layout each build takes
         try:
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             builds[name] = (ext, True)
 
     def product(ext, flat_layout, b, flat, x):
+        if b.kind == "q8_0_stored" and not hasattr(ext, "gemm_q8_0_stored"):
+            b = copied[id(b)]
         if b.kind == "q4_1" and flat_layout:
             return ext.gemm_q4_1(x, b.qs, b.d, flat, 0, None, 0.0, None)
         return getattr(ext, f"gemm_{b.kind}")(x, *b.kernel_arrays(), 0, None, 0.0, None)

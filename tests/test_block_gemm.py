@@ -3,6 +3,9 @@ against the slow, obvious reference; batch invariance; how the default model use
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -131,12 +134,19 @@ def test_kernel_builds_here():
     assert bg.build_error() is None  # x86 CI with AVX2: a failed build must not pass silently
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0"])
+def block_weights_of(kind: str, b: BlockQuantized) -> bg.BlockWeights:
+    """Random blocks in the kernel's layout `kind` (q8_0_stored: Q8_0 laid out as a file stores it)."""
+    if kind == "q8_0_stored":
+        return bg.stored_q8_0([(stored_q8_0_bytes(b.q, b.d), None)], b.q.shape[1])
+    return b.to_block_weights()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0", "q8_0_stored"])
 @pytest.mark.parametrize("t, n, k", [(1, 64, 64), (2, 7, 32), (3, 97, 576), (4, 130, 96), (5, 3, 1536),
                                      (9, 70, 160), (33, 65, 576), (1, 1, 32)])
 def test_gemm_matches_reference(kind, t, n, k):
-    b = random_blocks(kind, n, k, seed=t * 1000 + n + k)
-    w = b.to_block_weights()
+    b = random_blocks("q8_0" if kind == "q8_0_stored" else kind, n, k, seed=t * 1000 + n + k)
+    w = block_weights_of(kind, b)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(n)) * torch.rand(t, 1) * 4
     y = bg.gemm(x, w)
     assert y.shape == (t, n) and y.dtype == torch.float32
@@ -501,9 +511,9 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     assert quant.build_matrix([w], "int4", Backend.exact(torch.bfloat16, torch.device("cpu"), "int4")).kind == "int4"
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0", "q8_0_stored"])
 def test_non_finite_activations_reach_the_output_and_tiny_blocks_are_zero(kind):
-    w = random_blocks(kind, 40, 64, seed=9).to_block_weights()
+    w = block_weights_of(kind, random_blocks("q8_0" if kind == "q8_0_stored" else kind, 40, 64, seed=9))
     x = torch.randn(4, 64)
     x[1, 5] = float("nan")
     x[2, 40] = float("inf")
@@ -587,7 +597,16 @@ def test_stored_q8_0_equals_the_separate_layout_bit_for_bit(n, k):
     x = torch.randn(3, k)
     assert torch.equal(bg.gemm(x, stored, norm_weight=norm, eps=1e-5, residual=res),
                        bg.gemm(x, separate, norm_weight=norm, eps=1e-5, residual=res))
-    assert stored.num_bytes() == n * 8 + n * k // 32 * 34  # the addresses and the stored bytes, nothing copied
+    assert stored.num_bytes() == n * 8 + 8 + n * k // 32 * 34  # the addresses, the width, the stored bytes: no copy
+    with pytest.raises(RuntimeError, match=f"{k} wide, the activations {k + 32}"):
+        bg.gemm(torch.randn(2, k + 32), stored)  # a wider row would read past each stored row
+    with pytest.raises(RuntimeError, match=f"{k} wide, the activations {k + 32}"):
+        bg.gemm(torch.randn(2, 2 * k + 64), stored, swiglu=True)
+    with pytest.raises(TypeError, match="load the file again"):
+        copy.deepcopy(stored)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(stored)
+    assert torch.equal(copy.deepcopy(separate).dequantize(), separate.dequantize())  # other layouts copy as before
 
 
 def test_stored_q8_0_refuses_rows_it_cannot_read():
@@ -598,8 +617,12 @@ def test_stored_q8_0_refuses_rows_it_cannot_read():
         bg.stored_q8_0([(raw.view(torch.int8), None)], 64)
     with pytest.raises(ValueError, match=r"\[n, 68\]"):
         bg.stored_q8_0([(raw[:, :34], None)], 64)
-    with pytest.raises(ValueError, match="contiguous rows"):
+    with pytest.raises(ValueError, match="contiguous, separate rows"):
         bg.stored_q8_0([(raw.t().contiguous().t(), None)], 64)
+    with pytest.raises(ValueError, match="contiguous, separate rows"):  # rows overlapping each other
+        bg.stored_q8_0([(raw.view(-1)[:68 + 5].as_strided((6, 68), (1, 1)), None)], 64)
+    with pytest.raises(ValueError, match="1-D integer"):
+        bg.stored_q8_0([(raw, torch.arange(6).float())], 64)
     with pytest.raises(ValueError, match="row order"):
         bg.stored_q8_0([(raw, torch.tensor([0, 1, 2, 3, 4, 6]))], 64)
     with pytest.raises(ValueError, match="row order"):
@@ -607,7 +630,10 @@ def test_stored_q8_0_refuses_rows_it_cannot_read():
     with pytest.raises(ValueError, match="divisible by 32"):
         bg.stored_q8_0([(raw, None)], 60)
     with pytest.raises(RuntimeError, match="int64 CPU vector"):
-        bg._extension().gemm_q8_0_stored(torch.randn(2, 64), raw, 0, None, 0.0, None)
+        bg._extension().gemm_q8_0_stored(torch.randn(2, 64), raw, torch.tensor([64]), 0, None, 0.0, None)
+    good = bg.stored_q8_0([(raw, None)], 64)
+    with pytest.raises(RuntimeError, match="one-element int64"):
+        bg._extension().gemm_q8_0_stored(torch.randn(2, 64), good.qs, torch.tensor([64, 64]), 0, None, 0.0, None)
 
 
 def test_a_q8_0_file_is_read_in_its_mapping(smollm2_gguf):
@@ -621,10 +647,11 @@ def test_a_q8_0_file_is_read_in_its_mapping(smollm2_gguf):
     llm = LLM(path, dtype="float32", device="cpu")
     head = llm.model.lm_head
     assert head.kind == "q8_0_stored"
-    address = head.blocks.qs[0].item()
     regions = [line.split() for line in open("/proc/self/maps")]
-    owner = [r for r in regions if int(r[0].split("-")[0], 16) <= address < int(r[0].split("-")[1], 16)]
-    assert owner and os.path.realpath(owner[0][-1]) == path
+    row_bytes = head.in_features // 32 * 34
+    for address in (head.blocks.qs.min().item(), head.blocks.qs.max().item() + row_bytes - 1):  # every row's bytes
+        owner = [r for r in regions if int(r[0].split("-")[0], 16) <= address < int(r[0].split("-")[1], 16)]
+        assert owner and os.path.realpath(owner[0][-1]) == path
     x = torch.randn(3, head.in_features)
     assert torch.equal(head.kernel(x), bg.gemm(x, bg.pack_q8_0(*head.blocks.unpack()[:2])))
 

@@ -91,6 +91,10 @@ def as_blocks(w: torch.Tensor, kind: str):
 
     n, k = w.shape
     blocks = w.float().view(n, k // 32, 32)
+    if kind == "q8_0_stored":  # Q8_0 blocks laid out as a file stores them, read in place
+        q, d, _ = as_blocks(w, "q8_0").unpack()
+        raw = torch.cat([d.half().view(torch.uint8).view(n, -1, 1, 2), q.view(torch.uint8).view(n, -1, 1, 32)], -1)
+        return bg.stored_q8_0([(raw.view(n, k // 32 * 34), None)], k)
     if kind == "q8_0":
         d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(1e-6)
         return BlockQuantized("q8_0", torch.round(blocks / d.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k),
@@ -160,13 +164,13 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "iq4_xs", "q2_k", "iq4_nl", "q3_k"]  # o: 1, 3, 5, 7
+    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "iq4_xs", "q2_k", "iq4_nl", "q3_k", "q8_0_stored"]  # o: 1, 3, 5, 7
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
             layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % len(kinds)]))
     # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside
     # Q6_K; Q2_K beside Q3_K, as a Q2_K file mixes them)
-    pairs = (("q5_1", "q8_0"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k"))
+    pairs = (("q5_1", "q8_0_stored"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k"))
     for layer, (a, b) in zip(model.layers, pairs):
         w = layer["qkv"].dequantize()
         layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)])
@@ -174,7 +178,7 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
         layer["gate_up"] = BlockLinear([as_blocks(w[:512], b), as_blocks(w[512:], a)])
         w = layer["down"].dequantize()  # the residual fused into parts: each its columns
         layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
-    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0", "q4_k+q6_k", "q2_k+q3_k", "iq4_xs+q5_k"}
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0_stored", "q4_k+q6_k", "q2_k+q3_k", "iq4_xs+q5_k"}
     assert {layer["o"].kind for layer in model.layers} == {"q4_k", "q8_0", "iq4_xs", "iq4_nl"}
     used = {part.kind for layer in model.layers for w in layer.values() if isinstance(w, BlockLinear) for part in w.parts}
     assert used == set(kinds), set(kinds) - used  # every layout on the stack somewhere

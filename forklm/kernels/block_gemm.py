@@ -190,7 +190,9 @@ class BlockWeights:
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
     q8_0_stored: GGUF Q8_0 read where the file stores it (`stored_q8_0`, no copy): qs int64 [N] the
           address of each output's first 34-byte block (float16 d, then 32 int8 values), the rows of
-          the tensors in `stored` (views of the mapped file, kept alive here), d and m None: w = d·q.
+          the tensors in `stored` (views of the mapped file, kept alive here), d int64 [1] holding K (the
+          kernel checks the activations' width against it), m None: w = d·q. Not copyable or picklable
+          (the addresses are this process's).
     iq4_nl: GGUF IQ4_NL: qs uint8 [N, K/2] level indices as q4_1's nibbles, d float16 [N, K/32], m None:
           w = d·IQ4_NL_LEVELS[q] (run as q8_0 on the looked-up int8 levels).
     iq4_xs: GGUF IQ4_XS (K a multiple of 256): qs as iq4_nl's (the file's own order), d float16
@@ -200,7 +202,7 @@ class BlockWeights:
 
     kind: str
     qs: torch.Tensor
-    d: torch.Tensor | None
+    d: torch.Tensor
     m: torch.Tensor | None
     n: int
     k: int
@@ -222,7 +224,7 @@ class BlockWeights:
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
-                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d), "q8_0_stored": (self.qs,),
+                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d), "q8_0_stored": (self.qs, self.d),
                 "iq4_nl": (self.qs, self.d),
                 "iq4_xs": (self.qs, self.d, self.sc)}[self.kind]
 
@@ -266,12 +268,27 @@ class BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
         pick = lambda t: None if t is None else t.index_select(0, ids)
         regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
-        return BlockWeights(self.kind, pick(self.qs), pick(self.d), regroup(self.m), int(ids.numel()), self.k,
+        d = self.d if self.kind == "q8_0_stored" else pick(self.d)  # stored Q8_0: d is the width
+        return BlockWeights(self.kind, pick(self.qs), d, regroup(self.m), int(ids.numel()), self.k,
                             pick(self.qh), pick(self.sc), regroup(self.dm), pick(self.q2), self.stored)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block of the unpacked values."""
         return dequantize_values(*self.unpack())
+
+    def __deepcopy__(self, memo):
+        import copy
+        import dataclasses
+
+        if self.kind == "q8_0_stored":
+            raise TypeError("stored Q8_0 blocks are read where the file is mapped: load the file again instead of copying")
+        return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo)
+                                            for f in dataclasses.fields(self)})
+
+    def __getstate__(self):
+        if self.kind == "q8_0_stored":
+            raise TypeError("stored Q8_0 blocks hold this process's addresses: they cannot be pickled")
+        return self.__dict__.copy()
 
 
 def dequantize_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
@@ -456,16 +473,20 @@ def stored_q8_0(parts: list[tuple[torch.Tensor, torch.Tensor | None]], k: int) -
     row_bytes = k // BLOCK * STORED_Q8_0_BLOCK_BYTES
     addresses = []
     for data, order in parts:
-        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes or data.stride(1) != 1:
-            raise ValueError(f"stored Q8_0 rows must be uint8 [n, {row_bytes}] with contiguous rows, got "
-                             f"{data.dtype} {tuple(data.shape)} strides {data.stride()}")
+        if (data.dtype != torch.uint8 or data.dim() != 2 or not data.is_cpu or data.shape[1] != row_bytes
+                or data.stride(1) != 1 or (data.shape[0] > 1 and data.stride(0) < row_bytes)):
+            raise ValueError(f"stored Q8_0 rows must be uint8 CPU [n, {row_bytes}] with contiguous, separate rows, "
+                             f"got {data.dtype} {tuple(data.shape)} strides {data.stride()} on {data.device}")
+        if order is not None and (order.dim() != 1 or order.dtype.is_floating_point or order.dtype.is_complex
+                                  or order.dtype == torch.bool):
+            raise ValueError(f"a row order must be a 1-D integer tensor, got {order.dtype} {tuple(order.shape)}")
         rows = torch.arange(data.shape[0]) if order is None else order.to(torch.int64)
         if rows.numel() != data.shape[0] or (rows.numel() and (rows.min() < 0 or rows.max() >= data.shape[0])):
             raise ValueError(f"row order of {rows.numel()} rows for {data.shape[0]} stored rows")
         addresses.append(data.data_ptr() + rows * data.stride(0))
     qs = torch.cat(addresses) if addresses else torch.empty(0, dtype=torch.int64)
-    return BlockWeights("q8_0_stored", qs.contiguous(), None, None, int(qs.numel()), k,
-                        stored=tuple(data for data, _ in parts))
+    return BlockWeights("q8_0_stored", qs.contiguous(), torch.tensor([k], dtype=torch.int64), None, int(qs.numel()),
+                        k, stored=tuple(data for data, _ in parts))
 
 
 def pack_iq4_nl(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:

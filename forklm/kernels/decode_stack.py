@@ -51,6 +51,7 @@ def available() -> bool:
 class DecodeStack:
     kernel: object  # the C++ DecodeStack: the layers' norms and block matrices
     max_rows: int  # the most rows a step may have to run on it (every product's kernel limit)
+    weights: tuple = ()  # the layers' BlockLinears, held while the stack lives (stored Q8_0 hands it addresses only)
 
 
 LAYER_MATRICES = ("qkv", "o", "gate_up", "down")
@@ -91,4 +92,4 @@ def build(model) -> DecodeStack | None:
         [[p.kind for p in w.parts] for w in mats], [[list(p.kernel_arrays()) for p in w.parts] for w in mats],
         float(model.config.rms_norm_eps), model.config.num_heads, [layer.get("qkv_bias") for layer in model.layers],
     )
-    return DecodeStack(kernel, min(w.max_rows for w in mats))
+    return DecodeStack(kernel, min(w.max_rows for w in mats), tuple(mats))

@@ -362,8 +362,11 @@ def stored_block_weights(parts: list[GGMLWeights]):
     for part in parts:  # each in Hugging Face row order (a permuted q / k gathered in the repack's pass)
         if part.n:
             raw = part.data.contiguous()
+            order = None if part.row_order is None else part.row_order.to(torch.int64).contiguous()
+            if order is not None and order.numel() != part.n:
+                raise ValueError(f"a row order of {order.numel()} rows for a part of {part.n}")
             overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc,
-                                                 mq, q2, order=part.row_order)
+                                                 mq, q2, order=order)
             if overflowing:
                 factor = -8 if part.type_name == "Q4_0" else -16
                 raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")

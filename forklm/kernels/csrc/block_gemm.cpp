@@ -986,6 +986,9 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   if (ST) {
     TORCH_CHECK(qs.dim() == 1 && qs.scalar_type() == torch::kInt64 && qs.is_contiguous() && qs.is_cpu(),
                 "stored Q8_0 rows must be a contiguous int64 CPU vector [N] of addresses, got ", qs.sizes());
+    TORCH_CHECK(d.dim() == 1 && d.numel() == 1 && d.scalar_type() == torch::kInt64 && d.is_cpu(),
+                "stored Q8_0 weights need their width K as a one-element int64 tensor");
+    TORCH_CHECK(d.item<int64_t>() == K, "stored Q8_0 weights are ", d.item<int64_t>(), " wide, the activations ", K);
   } else {
     TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
                 "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
@@ -1219,10 +1222,10 @@ torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const t
   return gemm<false>(x, qs, d, d, prologue, norm_weight, eps, residual);
 }
 
-torch::Tensor gemm_q8_0_stored(const torch::Tensor& x, const torch::Tensor& rows, int64_t prologue,
-                               const std::optional<torch::Tensor>& norm_weight, double eps,
+torch::Tensor gemm_q8_0_stored(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& width,
+                               int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
                                const std::optional<torch::Tensor>& residual) {
-  return gemm<false, false, false, NO_SUB16, false, true>(x, rows, rows, rows, prologue, norm_weight, eps, residual);
+  return gemm<false, false, false, NO_SUB16, false, true>(x, rows, width, rows, prologue, norm_weight, eps, residual);
 }
 
 // Stored Q8_0 rows (`gemm_q8_0_stored`'s addresses, int64 [R]) -> (q int8 [R, K], d float16 [R, K/32]).
@@ -1470,11 +1473,12 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
                     const std::optional<torch::Tensor>& qh, const std::optional<torch::Tensor>& sc,
                     const std::optional<torch::Tensor>& mq, const std::optional<torch::Tensor>& q2,
                     const std::optional<torch::Tensor>& order) {
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.stride(1) == 1 && raw.stride(0) == raw.size(1),
-              "repack: stored rows must be a contiguous uint8 matrix");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_cpu() && raw.stride(1) == 1 &&
+                  raw.stride(0) == raw.size(1),
+              "repack: stored rows must be a contiguous uint8 CPU matrix");
   if (order.has_value())
-    TORCH_CHECK(order->dim() == 1 && order->scalar_type() == torch::kInt64 && order->is_contiguous(),
-                "repack: the row order must be a contiguous int64 vector");
+    TORCH_CHECK(order->dim() == 1 && order->scalar_type() == torch::kInt64 && order->is_contiguous() && order->is_cpu(),
+                "repack: the row order must be a contiguous int64 CPU vector");
   const Stored type = stored_type(type_name);
   const int64_t n = qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
   const int64_t* order_p = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
@@ -1622,7 +1626,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0_stored", &gemm_q8_0_stored, "y [T, N] = x [T, K] float32 times Q8_0 weights read where the file "
-        "stores them (rows int64 [N]: the address of each output's first 34-byte block, fp16 d then 32 int8)",
+        "stores them (rows int64 [N]: the address of each output's first 34-byte block, fp16 d then 32 int8; width "
+        "int64 [1]: K)",
         py::call_guard<py::gil_scoped_release>());
   m.def("unpack_q8_0_stored", &unpack_q8_0_stored, "stored Q8_0 rows (int64 [R] addresses) -> (q int8 [R, K], d fp16 [R, K/32])",
         py::call_guard<py::gil_scoped_release>());
