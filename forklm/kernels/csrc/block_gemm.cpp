@@ -534,15 +534,16 @@ void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float
     float* dw = scratch;                 // [TO, nb]
     float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
     for (int i = 0; i < TO; ++i) {
+      const float* dwi = dw + i * nb;  // stored Q8_0: the chunk's scales, already floats
       if constexpr (ST) {
-        std::memcpy(dw + i * nb, w.rows_d + (o + i - w.o0) * nb, nb * sizeof(float));
+        dwi = w.rows_d + (o + i - w.o0) * nb;
       } else {
         halves_to_float(w.d + (o + i) * w.nb, dw + i * nb, w.nb);
       }
       for (int j = 0; j < TN; ++j) {
         float* s = sc + (i * TN + j) * nb;
         const float* dxj = x.d + j * nb;
-        for (int64_t b = 0; b < nb; ++b) s[b] = dw[i * nb + b] * dxj[b];
+        for (int64_t b = 0; b < nb; ++b) s[b] = dwi[b] * dxj[b];
       }
     }
     for (int64_t b = 0; b < nb; ++b) {
@@ -983,17 +984,17 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   static_assert(!NL || (!Q41 && S16 == NO_SUB16), "IQ4_NL is a layout of its own");
   static_assert(!ST || (!Q41 && !NL && S16 == NO_SUB16), "stored Q8_0 is a layout of its own");
   const int64_t row_bytes = Q41 || S6 || NL || SX ? nb * 16 : S3 || S2 ? nb * 8 : K;
+  if (!ST) {
+    TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
+                "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
+  }
   if (ST) {
     TORCH_CHECK(qs.dim() == 1 && qs.scalar_type() == torch::kInt64 && qs.is_contiguous() && qs.is_cpu(),
                 "stored Q8_0 rows must be a contiguous int64 CPU vector [N] of addresses, got ", qs.sizes());
     TORCH_CHECK(d.dim() == 1 && d.numel() == 1 && d.scalar_type() == torch::kInt64 && d.is_cpu(),
                 "stored Q8_0 weights need their width K as a one-element int64 tensor");
-    TORCH_CHECK(d.item<int64_t>() == K, "stored Q8_0 weights are ", d.item<int64_t>(), " wide, the activations ", K);
-  } else {
-    TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
-                "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
-  }
-  if (ST) {
+    const int64_t width = *d.data_ptr<int64_t>();  // read directly: no tensor op on a decode step's path
+    TORCH_CHECK(width == K, "stored Q8_0 weights are ", width, " wide, the activations ", K);
   } else if (SUB) {
     TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
     if (S6)
