@@ -1,7 +1,7 @@
 """The block kernel of this tree against the one of another commit, on a decode step's products.
 
     python scripts/ab_block_kernel.py --against <commit> [--model FILE.gguf] [--rows 1,8,32] [--rounds 15]
-        [--out bench/results/block_kernel_ab.json]
+        [--out bench/results/block_kernel_ab.json] [--same-bits]
 
 Builds csrc/block_gemm.cpp as it is at `--against` beside this tree's (the AVX2 build of each and,
 on CPUs with AVX512-VNNI, the VNNI build of each), loads the default model and runs the 121
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--model", default=None, help="a GGUF file (default: the packaged SmolLM2 Q4_1)")
     ap.add_argument("--out", default="bench/results/block_kernel_ab.json")
+    ap.add_argument("--same-bits", action="store_true",
+                    help="also require this tree's products to equal the other commit's bit for bit")
     args = ap.parse_args(argv)
     from forklm import LLM
 
@@ -87,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         ours = [step(ext, flat)[1] for name, (ext, flat) in builds.items() if name.startswith("this tree")]
         if not all(torch.equal(a, b) for a, b in zip(ours[0], ours[-1])):
             raise AssertionError("this tree's builds disagree")
+        if args.same_bits:
+            theirs = [step(ext, flat)[1] for name, (ext, flat) in builds.items() if not name.startswith("this tree")]
+            if not all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0])):
+                raise AssertionError(f"this tree's products differ from {sha}'s at {rows} rows")
         worst = max(((o - bg.gemm_reference(x, b)).norm() / bg.gemm_reference(x, b).norm()).item()
                     for o, b, x in zip(ours[0][:8], mats, xs))
         if worst > 1e-5:

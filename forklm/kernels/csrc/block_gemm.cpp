@@ -889,50 +889,64 @@ void tile_k_rows(const Weights& w, int64_t o0, int64_t o1, const KActs& x, float
 // and the minima terms formed group by group as it goes (a decode step's products stream their
 // weights from memory: no scratch passes). xp: [nb/2] pairs of 32 bytes (low halves of blocks b and
 // b+1, then their high halves).
-template <bool H5 = false>
+template <bool H5 = false, int TO = 1>
 void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const int8_t* xp, float* y, int64_t N) {
+  static_assert(TO == 1 || TO == 2 || TO == 4 || TO == 8, "a tile's outputs stay inside one group of 8");
   const int64_t nb = w.nb;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i pair_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   float group_terms[8];  // without x.mt: the minima terms of o's group of 8 outputs, formed on entering it
   int64_t group = o0;
-  for (int64_t o = o0; o < o1; ++o) {
+  int64_t o = o0;
+  // TO outputs at a time while whole tiles fit inside a group of 8 (o0 is a multiple of 8), then one by one
+  const auto run = [&](auto tile_outs) {
+    constexpr int R = decltype(tile_outs)::value;
     if (x.mt == nullptr && (o == o0 || (o & 7) == 0)) {
       group = o;
       prefetch_minima(w, nb, std::min(o1, (o | 7) + 17), std::min(o1, (o | 7) + 25));  // two groups ahead
       minima_terms(w, o, std::min(o1, (o | 7) + 1), x.s, 1, nb, group_terms);
     }
-    if (o + 3 <= N) {  // the weights two outputs ahead into cache, as `tile`
-      const char* values = reinterpret_cast<const char*>(w.qs + (o + 2) * w.row_bytes);
-      for (int64_t off = 0; off < w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w.d + (o + 2) * nb), _MM_HINT_T0);
+    if (o + R + 2 * R <= N) {  // the weights two tiles ahead into cache, as `tile`
+      const char* values = reinterpret_cast<const char*>(w.qs + (o + 2 * R) * w.row_bytes);
+      for (int64_t off = 0; off < R * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
+      const char* scales = reinterpret_cast<const char*>(w.d + (o + 2 * R) * nb);
+      for (int64_t off = 0; off < R * nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
       if constexpr (H5)
-        for (int64_t off = 0; off < nb * 4; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w.qh + (o + 2) * nb) + off, _MM_HINT_T0);
+        for (int64_t off = 0; off < R * nb * 4; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w.qh + (o + 2 * R) * nb) + off, _MM_HINT_T0);
     }
-    __m256 acc = _mm256_setzero_ps();
-    const uint8_t* qs = w.qs + o * w.row_bytes;
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 16));
       const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + b * QK));
       const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + b * QK + QK));
-      __m256i wlo = _mm256_and_si256(v, low4), whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if constexpr (H5) {
-        wlo = _mm256_or_si256(wlo, high_bits(w.qh[o * nb + b]));
-        whi = _mm256_or_si256(whi, high_bits(w.qh[o * nb + b + 1]));
+      const __m128 dx2 = load_two(x.d + b);
+      for (int i = 0; i < R; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + b * 16));
+        __m256i wlo = _mm256_and_si256(v, low4), whi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if constexpr (H5) {
+          wlo = _mm256_or_si256(wlo, high_bits(w.qh[(o + i) * nb + b]));
+          whi = _mm256_or_si256(whi, high_bits(w.qh[(o + i) * nb + b + 1]));
+        }
+        const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo, xlo, whi, xhi));
+        const __m128 s2 = _mm_mul_ps(pair_scales(w, o + i, b), dx2);
+        acc[i] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx), p, acc[i]);
       }
-      const __m256 p = _mm256_cvtepi32_ps(dot2_u8s8(wlo, xlo, whi, xhi));
-      const __m128 s2 = _mm_mul_ps(pair_scales(w, o, b), load_two(x.d + b));
-      acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), pair_idx), p, acc);
     }
     for (; b < nb; ++b) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QK));
-      const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(load_weights<true, H5>(w, o, b), xv));
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(w, o, b) * x.d[b]), p, acc);
+      for (int i = 0; i < R; ++i) {
+        const __m256 p = _mm256_cvtepi32_ps(block_dot<true>(load_weights<true, H5>(w, o + i, b), xv));
+        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(block_scale(w, o + i, b) * x.d[b]), p, acc[i]);
+      }
     }
-    y[o] = hsum(acc) + (x.mt == nullptr ? group_terms[o - group] : x.minima_term(0, o));
-  }
+    for (int i = 0; i < R; ++i)
+      y[o + i] = hsum(acc[i]) + (x.mt == nullptr ? group_terms[o + i - group] : x.minima_term(0, o + i));
+    o += R;
+  };
+  while (o + TO <= o1) run(std::integral_constant<int, TO>{});
+  while (o < o1) run(std::integral_constant<int, 1>{});
 }
 
 // The pairs `one_row_q4_1` and `tile_k` read: for blocks b, b+1 of the row, their low 16 bytes side by side, then
@@ -953,8 +967,13 @@ constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while t
 // accumulators and the unpacked weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles
 // share each activation load twice as widely. K-quant tiles hold an integer and a float accumulator
 // per (output, row): one output by 4 rows. A lone row (a decode step of one sample) takes one output
-// at a time: its products stream their weights from memory (two at a time measured slower).
+// at a time on most layouts: its products stream their weights from memory (two or four at a time
+// measured no faster or slower there: K-quants, IQ4_NL, stored Q8_0, whose rows 34-byte blocks apart
+// lost 1.8x at four).
 constexpr int ROW_TILE_OUTS = FORKLM_VNNI ? 4 : 2;
+// Q4_1-type outputs per tile of a lone row: two independent chains sharing the row's loads, each
+// output's operations those of a tile of one (measured faster than one or four, 2026-11-27)
+constexpr int ONE_ROW_Q41_OUTS = 2;
 constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 // floats of scratch per block that `tile` needs (TO·(TN + 1)) for the largest tile `gemm` runs
 constexpr int64_t SCRATCH_PER_BLOCK = cmax(cmax(ROW_TILE_OUTS * 5, 1 * 2), cmax(2 * 4, 4 * 3));
@@ -1151,7 +1170,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
         switch (T - t) {
           case 3: paired_tile_rows<2, 3, H5>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
           case 2: paired_tile_rows<4, 2, H5>(w, c0, c1, all.rows_from(t), pairs_from(t), yp + t * n, n); break;
-          case 1: one_row_q4_1<H5>(w, c0, c1, all.rows_from(t), xpairs.data() + t * K, yp + t * n, n); break;
+          case 1: one_row_q4_1<H5, ONE_ROW_Q41_OUTS>(w, c0, c1, all.rows_from(t), xpairs.data() + t * K, yp + t * n, n); break;
           default: break;
         }
       } else {  // Q8_0, IQ4_NL
