@@ -37,7 +37,8 @@ def _stub_model(vocab: int) -> LlamaModel:
         "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": vocab,
         "max_position_embeddings": 8192,
     }, source="step-overhead stub")
-    model = LlamaModel(cfg, random_weights(cfg, Backend.exact(torch.float32, torch.device("cpu"))), torch.float32, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    model = LlamaModel(cfg, random_weights(cfg, torch.float32, cpu), Backend.exact(torch.float32, cpu))
 
     logits = torch.zeros(1, vocab)
 
