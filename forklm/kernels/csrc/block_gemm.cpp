@@ -173,17 +173,11 @@ void prologue_row(const float* x, int64_t K, Prologue mode, const float* w, floa
   }
 }
 
-// The rows of x after the prologue, quantized in blocks of 32 or (super) of 256.
-QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, const float* w, float eps,
-                            bool super = false) {
+// The rows of x after the prologue, quantized in blocks of 32 or (super) of 256, into q int8 [T, K],
+// d float32 [T, nb], and s float32 [T, nb] (blocks of 32) or sums int16 [T, K/16] (super-blocks).
+void quantize_rows_into(const torch::Tensor& x, int64_t K, Prologue mode, const float* w, float eps, bool super,
+                        int8_t* qp, float* dp, float* sp, int16_t* gp) {
   const int64_t T = x.size(0), group = super ? QKK : QK, nb = K / group, stride = x.size(1);
-  QuantizedRows r{torch::empty({T, K}, torch::kInt8), torch::empty({T, nb}, torch::kFloat32),
-                  torch::empty({super ? 0 : T, nb}, torch::kFloat32),
-                  torch::empty({super ? T : 0, K / 16}, torch::kInt16)};
-  int8_t* qp = r.q.data_ptr<int8_t>();
-  float* dp = r.d.data_ptr<float>();
-  float* sp = r.s.data_ptr<float>();
-  int16_t* gp = r.sums.data_ptr<int16_t>();
   const auto block = [&](const float* src, int64_t t, int64_t b) {  // block b of row t
     if (super)
       quantize_super_block(src, qp + t * K + b * QKK, dp + t * nb + b, gp + t * (K / 16) + b * (QKK / 16));
@@ -195,17 +189,37 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, co
     at::parallel_for(0, T * nb, super ? 32 : 256, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) block(xp + (b / nb) * stride + (b % nb) * group, b / nb, b % nb);
     });
-    return r;
+    return;
   }
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    std::vector<float> row(K);
+    thread_local std::vector<float> row;  // reused across calls (a decode step makes ~120)
+    row.resize(K);
     for (int64_t t = t0; t < t1; ++t) {
       prologue_row(xp + t * stride, K, mode, w, eps, row.data());
       for (int64_t b = 0; b < nb; ++b) block(row.data() + b * group, t, b);
     }
   });
+}
+
+// The same as tensors (`quantize_q8`, `quantize_q8_k`: the tests' view of the activations' blocks).
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, const float* w, float eps,
+                            bool super = false) {
+  const int64_t T = x.size(0), nb = K / (super ? QKK : QK);
+  QuantizedRows r{torch::empty({T, K}, torch::kInt8), torch::empty({T, nb}, torch::kFloat32),
+                  torch::empty({super ? 0 : T, nb}, torch::kFloat32),
+                  torch::empty({super ? T : 0, K / 16}, torch::kInt16)};
+  quantize_rows_into(x, K, mode, w, eps, super, r.q.data_ptr<int8_t>(), r.d.data_ptr<float>(), r.s.data_ptr<float>(),
+                     r.sums.data_ptr<int16_t>());
   return r;
 }
+
+// A product call's buffers for its activations, reused by the next call on the same thread (a decode
+// step makes ~150 calls; fresh tensors and vectors for each cost several microseconds a call).
+struct CallBuffers {
+  std::vector<int8_t> q, pairs;
+  std::vector<float> d, s, k_sx, dx_spread;
+  std::vector<int16_t> sums;
+};
 
 // Weights as three arrays per matrix (the file's blocks split so scales load 8 at a time):
 //   qs  uint8 [N, nb·16] (Q4_1: two values a byte) | int8 [N, K] (Q8_0)
@@ -971,9 +985,10 @@ constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while t
 // measured no faster or slower there: K-quants, IQ4_NL, stored Q8_0, whose rows 34-byte blocks apart
 // lost 1.8x at four).
 constexpr int ROW_TILE_OUTS = FORKLM_VNNI ? 4 : 2;
-// Q4_1-type outputs per tile of a lone row: two independent chains sharing the row's loads, each
-// output's operations those of a tile of one (measured faster than one or four, 2026-11-27)
-constexpr int ONE_ROW_Q41_OUTS = 2;
+// Q4_1-type outputs per tile of a lone row: on the AVX2 build two independent chains sharing the
+// row's loads, each output's operations those of a tile of one (measured faster than one or four,
+// 2026-11-27); the VNNI build keeps one (not measured there)
+constexpr int ONE_ROW_Q41_OUTS = FORKLM_VNNI ? 1 : 2;
 constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 // floats of scratch per block that `tile` needs (TO·(TN + 1)) for the largest tile `gemm` runs
 constexpr int64_t SCRATCH_PER_BLOCK = cmax(cmax(ROW_TILE_OUTS * 5, 1 * 2), cmax(2 * 4, 4 * 3));
@@ -1074,8 +1089,13 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   }
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
-  const QuantizedRows xq = quantize_rows(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr,
-                                         static_cast<float>(eps), SUB || KS);
+  thread_local CallBuffers buf;
+  const bool super_blocks = SUB || KS;
+  const int64_t nbq = super_blocks ? K / QKK : nb;  // the activations' scales per row
+  buf.q.resize(T * K), buf.d.resize(T * nbq), buf.s.resize(super_blocks ? 0 : T * nbq);
+  buf.sums.resize(super_blocks ? T * (K / 16) : 0);
+  quantize_rows_into(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr, static_cast<float>(eps),
+                     super_blocks, buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
   Weights w_all{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                 Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
                 H5 ? reinterpret_cast<const uint32_t*>(qh.data_ptr()) : nullptr,
@@ -1084,26 +1104,27 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                 S6 || S3 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
   w_all.scales_per_16 = SUB && !SX;
   if constexpr (ST) w_all.d = nullptr, w_all.rows = qs.data_ptr<int64_t>();
-  const int8_t* qx = xq.q.data_ptr<int8_t>();
-  const float* dx = xq.d.data_ptr<float>();
-  const SuperActs super_rows{qx, dx, SUB || KS ? xq.sums.data_ptr<int16_t>() : nullptr, K};
+  const int8_t* qx = buf.q.data();
+  const float* dx = buf.d.data();
+  const SuperActs super_rows{qx, dx, super_blocks ? buf.sums.data() : nullptr, K};
   // K-quants' minima terms take each block's dx·Σq from the super-block's dx and sums of 16
-  std::vector<float> k_sx(KS ? T * nb : 0);
+  std::vector<float>& k_sx = buf.k_sx;
+  k_sx.resize(KS ? T * nb : 0);
   if constexpr (KS)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t b = 0; b < nb; ++b) {
         const int16_t* sums = super_rows.sums + t * (K / 16) + 2 * b;
         k_sx[t * nb + b] = dx[t * (nb / 8) + b / 8] * static_cast<float>(sums[0] + sums[1]);
       }
-  const float* sx = KS ? k_sx.data() : xq.s.data_ptr<float>();
+  const float* sx = KS ? k_sx.data() : buf.s.data();
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   // Q4_1 rows' paired activations (`one_row_q4_1`'s lone last row; `paired_tile`'s rows with their
   // spread scales), prepared once per call.
   const bool paired_rows = Q41 && !KS && T >= 2;
   const int64_t pairs = nb / 2;
-  std::vector<int8_t> xpairs;
-  std::vector<float> dx_spread;
+  std::vector<int8_t>& xpairs = buf.pairs;
+  std::vector<float>& dx_spread = buf.dx_spread;
   if (Q41) {
     xpairs.resize(T * K);
     for (int64_t t = 0; t < T; ++t) pair_activations(qx + t * K, nb, xpairs.data() + t * K);
@@ -1121,10 +1142,11 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   // threads split the outputs at multiples of 8 (the minima's groups; any split gives the same bits)
   at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
     const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
-    std::vector<float> scratch(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
-    std::vector<float> minima(chunk_minima ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
-    std::vector<float> k_minima(KS ? ROWS_PER_CHUNK * nb : 0);
-    std::vector<float> stored_scales(ST && T > 1 ? ROWS_PER_CHUNK * nb : 0);
+    thread_local std::vector<float> scratch, minima, k_minima, stored_scales;  // this thread's, reused
+    scratch.resize(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
+    minima.resize(chunk_minima ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
+    k_minima.resize(KS ? ROWS_PER_CHUNK * nb : 0);
+    stored_scales.resize(ST && T > 1 ? ROWS_PER_CHUNK * nb : 0);
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       Weights w = w_all;  // K-quants: with this chunk's minima expanded
