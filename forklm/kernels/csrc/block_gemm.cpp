@@ -221,6 +221,15 @@ struct CallBuffers {
   std::vector<int16_t> sums;
 };
 
+// Gives a call's buffers back to the allocator when it ends if they grew past a decode step's needs
+// (a long prompt's chunk on a wide matrix: tens of MB that would otherwise stay with the thread).
+struct ReleaseLargeBuffers {
+  CallBuffers& buf;
+  ~ReleaseLargeBuffers() {
+    if (buf.q.capacity() + buf.pairs.capacity() > (size_t{8} << 20)) buf = CallBuffers();
+  }
+};
+
 // Weights as three arrays per matrix (the file's blocks split so scales load 8 at a time):
 //   qs  uint8 [N, nb·16] (Q4_1: two values a byte) | int8 [N, K] (Q8_0)
 //   d   fp16 [N, nb]     m  fp16 [⌈N/8⌉, nb, 8] (Q4_1 only: per group of 8 outputs, block by block,
@@ -1090,6 +1099,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
   thread_local CallBuffers buf;
+  const ReleaseLargeBuffers release{buf};
   const bool super_blocks = SUB || KS;
   const int64_t nbq = super_blocks ? K / QKK : nb;  // the activations' scales per row
   buf.q.resize(T * K), buf.d.resize(T * nbq), buf.s.resize(super_blocks ? 0 : T * nbq);
