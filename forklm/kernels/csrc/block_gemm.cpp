@@ -929,7 +929,7 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
       prefetch_minima(w, nb, std::min(o1, (o | 7) + 17), std::min(o1, (o | 7) + 25));  // two groups ahead
       minima_terms(w, o, std::min(o1, (o | 7) + 1), x.s, 1, nb, group_terms);
     }
-    if (o + R + 2 * R <= N) {  // the weights two tiles ahead into cache, as `tile`
+    if (o + 3 * R <= N) {  // the weights two tiles ahead into cache, as `tile`
       const char* values = reinterpret_cast<const char*>(w.qs + (o + 2 * R) * w.row_bytes);
       for (int64_t off = 0; off < R * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
       const char* scales = reinterpret_cast<const char*>(w.d + (o + 2 * R) * nb);
@@ -991,8 +991,7 @@ constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while t
 // share each activation load twice as widely. K-quant tiles hold an integer and a float accumulator
 // per (output, row): one output by 4 rows. A lone row (a decode step of one sample) takes one output
 // at a time on most layouts: its products stream their weights from memory (two or four at a time
-// measured no faster or slower there: K-quants, IQ4_NL, stored Q8_0, whose rows 34-byte blocks apart
-// lost 1.8x at four).
+// were no faster on K-quants and IQ4_NL, and 1.5-1.8x slower on stored Q8_0).
 constexpr int ROW_TILE_OUTS = FORKLM_VNNI ? 4 : 2;
 // Q4_1-type outputs per tile of a lone row: on the AVX2 build two independent chains sharing the
 // row's loads, each output's operations those of a tile of one (measured faster than one or four,
