@@ -167,6 +167,12 @@ class BlockWeights:
           its high nibble, as GGUF stores it), d float16 [N, K/32] and m float16 [⌈N/8⌉, K/32, 8]
           (groups of 8 outputs, block by block, their minima side by side, the last group padded with
           zeros: the kernel sums Σ_b m·sx for 8 outputs at once): w = d·q + m.
+    q4_1_r8: q4_1's blocks with 8 outputs interleaved (`interleave_r8`), the layout GGUF Q4_0 / Q4_1
+          tensors and `quantize="int4"` run on: qs uint8 [⌈N/8⌉, K/32, 128] (per group of 8 outputs
+          and block, 4 runs of 32 bytes, run j = bytes 4j..4j+3 of each output's 16 GGUF bytes, output r
+          at 4r), d float16 [⌈N/8⌉, K/32, 8], m float16 [⌈N/8⌉, K/32, 8] (q4_1's grouped minima, the
+          last group padded with zeros), count int64 [1] holding N: w = d·q + m.
+    q4_0_r8: q4_1_r8 without minima (GGUF Q4_0): w = d·(q − 8).
     q5_1: q4_1's arrays (the values' low 4 bits) and qh int32 [N, K/32]: their fifth bits, a block
           pair's two words arranged as the kernel reads the pair (`arrange_high_bits`): w = d·q + m,
           q in 0..31 (GGUF Q5_0 is Q5_1 with minimum −16d, exactly).
@@ -211,16 +217,19 @@ class BlockWeights:
     dm: torch.Tensor | None = None  # q4_k / q5_k only
     q2: torch.Tensor | None = None  # q6_k / q3_k only
     stored: tuple[torch.Tensor, ...] = ()  # q8_0_stored only: the stored rows qs points into
+    count: torch.Tensor | None = None  # q4_0_r8 / q4_1_r8 only: int64 [1] holding N
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm, self.q2) if t is not None] + list(self.stored)
+        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm, self.q2, self.count)
+                if t is not None] + list(self.stored)
 
     def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
         """The arrays in the order the kernel's `gemm_<kind>` takes them."""
-        return {"q4_1": (self.qs, self.d, self.m), "q5_1": (self.qs, self.qh, self.d, self.m),
+        return {"q4_1": (self.qs, self.d, self.m), "q4_0_r8": (self.qs, self.d, self.count),
+                "q4_1_r8": (self.qs, self.d, self.m, self.count), "q5_1": (self.qs, self.qh, self.d, self.m),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
@@ -233,6 +242,9 @@ class BlockWeights:
         scale per 16 values), m float32 (the same groups) or None)."""
         if self.kind == "q8_0":
             return self.qs, self.d.float(), None
+        if self.kind in R8_KINDS:
+            q, d, m = deinterleave_r8(self).unpack()
+            return q, d, (-8 * d if self.kind == "q4_0_r8" else m)
         if self.kind == "q8_0_stored":
             q, d = _extension().unpack_q8_0_stored(self.qs, self.k)
             return q, d.float(), None
@@ -266,6 +278,8 @@ class BlockWeights:
 
     def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
+        if self.kind in R8_KINDS:
+            return interleave_r8(deinterleave_r8(self).rows(ids), minima=self.m is not None)
         pick = lambda t: None if t is None else t.index_select(0, ids)
         regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
         d = self.d if self.kind == "q8_0_stored" else pick(self.d)  # stored Q8_0: d is the width
@@ -364,6 +378,49 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
     n, k = q.shape
     _check_k(k)
     return BlockWeights("q4_1", pack_nibbles(q), _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
+
+
+R8_KINDS = ("q4_0_r8", "q4_1_r8")  # 4-bit blocks with 8 outputs interleaved
+
+
+def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
+    """q4_1 blocks -> q4_1_r8 (minima=False: q4_0_r8, for blocks whose minima are −8d, which the kernel
+    then takes as d·(q − 8) in integers; the minima are dropped unchecked)."""
+    if w.kind != "q4_1":
+        raise ValueError(f"only q4_1 blocks interleave, got {w.kind}")
+    n, nb = w.n, w.k // BLOCK
+    groups = (n + 7) // 8
+    qs = torch.zeros(groups * 8, nb, 16, dtype=torch.uint8)
+    qs[:n] = w.qs.view(n, nb, 16)
+    # [G, 8 outputs, nb, 4 runs, 4 bytes] -> [G, nb, run, output, byte]
+    qs = qs.view(groups, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
+    d = torch.zeros(groups * 8, nb, dtype=torch.float16)
+    d[:n] = w.d
+    d = d.view(groups, 8, nb).transpose(1, 2).contiguous()
+    return BlockWeights("q4_1_r8" if minima else "q4_0_r8", qs, d, w.m if minima else None, n, w.k,
+                        count=torch.tensor([n], dtype=torch.int64))
+
+
+def deinterleave_r8(w: BlockWeights) -> BlockWeights:
+    """The inverse of `interleave_r8` (q4_0_r8: minima −8d, exact in float16 where d is normal)."""
+    n, nb = w.n, w.k // BLOCK
+    groups = w.qs.shape[0]
+    qs = w.qs.view(groups, nb, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, nb * 16)[:n].contiguous()
+    d = w.d.transpose(1, 2).reshape(groups * 8, nb)[:n].contiguous()
+    m = w.m if w.m is not None else block_minima((-8 * d.float()).half())  # (`unpack` forms q4_0's −8d in float32)
+    return BlockWeights("q4_1", qs, d, m, n, w.k)
+
+
+def pack_q4_1_r8(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:
+    """q uint8 [N, K] in 0..15, d and m [N, K/32] holding float16 values, as q4_1_r8."""
+    return interleave_r8(pack_q4_1(q, d, m))
+
+
+def pack_q4_0_r8(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
+    """GGUF Q4_0: q uint8 [N, K] in 0..15, d [N, K/32] holding float16 values (w = d·(q − 8)), as q4_0_r8."""
+    n, k = q.shape
+    _check_k(k)
+    return interleave_r8(BlockWeights("q4_1", pack_nibbles(q), _exact_half(d, "d"), None, n, k), minima=False)
 
 
 def pack_q5_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:

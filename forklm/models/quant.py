@@ -91,7 +91,7 @@ class BlockQuantized:
         from forklm.kernels import block_gemm
 
         if self.kind == "q4_1":
-            return block_gemm.pack_q4_1(self.q, self.d, self.m)
+            return block_gemm.pack_q4_1_r8(self.q, self.d, self.m)
         if self.kind == "q5_1":
             return block_gemm.pack_q5_1(self.q, self.d, self.m)
         return block_gemm.pack_q8_0(self.q, self.d)
@@ -311,8 +311,8 @@ BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q
 
 def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
-    Q4_0 / Q4_1 parts as q4_1, with a Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth
-    bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
+    Q4_0 / Q4_1 parts as q4_1 (run interleaved: q4_0_r8 where every part is Q4_0, else q4_1_r8), with a
+    Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
     q2_k; Q8_0 parts as q8_0_stored (read where the file stores them); IQ4_NL parts as iq4_nl; IQ4_XS parts as iq4_xs."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
@@ -324,8 +324,9 @@ def stored_block_weights(parts: list[GGMLWeights]):
     """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`,
     `block_gemm.BlockWeights`), repacked from the stored bytes in one C++ pass (`repack_rows`): every
     value as stored. Q4_0 / Q4_1 keep GGUF's nibbles (value j in the low nibble of byte j, value j + 16
-    in the high one); Q4_0 becomes Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact;
-    ValueError where the minimum overflows float16); Q4_K / Q5_K values take Q4_1's nibble order
+    in the high one), 8 outputs interleaved (`block_gemm.interleave_r8`); Q4_0 beside Q4_1 parts becomes
+    Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact; ValueError where the minimum overflows
+    float16); Q4_K / Q5_K values take Q4_1's nibble order
     with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
     5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
@@ -340,6 +341,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if kind == "q8_0_stored":  # read where the file stores it: no copy, the q / k row order an address table
         return block_gemm.stored_q8_0([(p.data, p.row_order) for p in parts], k)
     nb, nsb = k // 32, k // 256
+    only_q4_0 = all(p.type_name == "Q4_0" for p in parts)
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
     qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
@@ -367,7 +369,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
                 raise ValueError(f"a row order of {order.numel()} rows for a part of {part.n}")
             overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc,
                                                  mq, q2, order=order)
-            if overflowing:
+            if overflowing and not only_q4_0:  # (Q4_0 alone keeps no minima: its −8d is applied in integers)
                 factor = -8 if part.type_name == "Q4_0" else -16
                 raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")
         row0 += part.n
@@ -384,6 +386,9 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if kind in ("q4_k", "q5_k"):
         return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
                                        block_gemm.block_minima(m))
+    if kind == "q4_1":  # 8 outputs interleaved (Q4_0 alone: no minima, w = d·(q − 8))
+        return block_gemm.interleave_r8(block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k),
+                                        minima=not only_q4_0)
     return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 
 

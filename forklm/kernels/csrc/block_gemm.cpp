@@ -219,6 +219,7 @@ struct CallBuffers {
   std::vector<int8_t> q, pairs;
   std::vector<float> d, s, k_sx, dx_spread;
   std::vector<int16_t> sums;
+  std::vector<int32_t> block_sums;  // the interleaved Q4_0 kernel's Σ q per block
 };
 
 // Gives a call's buffers back to the allocator when it ends if they grew past a decode step's needs
@@ -1223,6 +1224,177 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   return y;
 }
 
+// ----------------------------------------------------------------------------- 4-bit blocks, 8 outputs interleaved
+// Q4_0 / Q4_1 weights repacked once at load with the blocks of 8 outputs side by side (`q4_0_r8`,
+// `q4_1_r8`, the row-interleaved idea of llama.cpp's repacked Q4_0 and ik_llama.cpp's `_r8` types;
+// this layout and its arithmetic are forklm's own):
+//   qs uint8 [G, nb, 128]  G = ⌈N/8⌉ groups of 8 outputs; for group g and block b, 4 runs of 32 bytes:
+//                          run j holds bytes 4j..4j+3 of each output's 16 (output 8g + r at 4r), i.e.
+//                          in their low nibbles values 4j..4j+3, in their high nibbles 16+4j..16+4j+3
+//   d  fp16 [G, nb, 8]     the 8 outputs' scales of block b side by side (the last group padded: 0)
+//   m  fp16 [G, nb, 8]     q4_1_r8 only, their minima (Q4_0: w = d·(q − 8))
+// A vector's 8 lanes are 8 outputs: a block takes 8 byte products of the unpacked nibbles against
+// the activations' 4-byte groups broadcast, and no horizontal sum. Each (output, row) is one float
+// chain over the blocks, the same whatever tile of rows it lands in:
+//   acc = fma(d·dx_b, float(Σ q_w·q_x − 8·Σ q_x [Q4_0]), acc);  acc = fma(m, sx_b, acc) [Q4_1]
+constexpr int64_t R8_BLOCK_BYTES = 128;
+
+// Σ q of each block of 32 activations (Q4_0's −8·Σ q_x, in integers).
+inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK));
+    out[b] = hsum_int32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
+  }
+}
+
+// Rows [0, TN) of `x` times the 8 outputs of one group: acc[t] lanes = outputs.
+template <bool MIN, int TN>
+inline void tile_r8(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, const int8_t* xq,
+                    const float* dx, const float* sx, const int32_t* xs, int64_t K, __m256* acc) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * R8_BLOCK_BYTES;
+    __m256i s[TN];
+    for (int t = 0; t < TN; ++t) s[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {  // |Σ| <= 8 · 2 · 15 · 127 < 2^15: the int16 sums cannot saturate
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int t = 0; t < TN; ++t) {
+        const int8_t* xb = xq + t * K + b * QK;
+        int32_t a, c;
+        std::memcpy(&a, xb + 4 * j, 4);
+        std::memcpy(&c, xb + 16 + 4 * j, 4);
+        s[t] = _mm256_add_epi16(s[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
+                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c))));
+      }
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * 8)));
+    __m256 m8 = _mm256_setzero_ps();
+    if constexpr (MIN) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * 8)));
+    for (int t = 0; t < TN; ++t) {
+      __m256i isum = _mm256_madd_epi16(s[t], ones);
+      if constexpr (!MIN) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xs[t * nb + b]));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx[t * nb + b])), _mm256_cvtepi32_ps(isum), acc[t]);
+      if constexpr (MIN) acc[t] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[t * nb + b]), acc[t]);
+    }
+  }
+}
+
+// MIN: q4_1_r8 (m), else q4_0_r8. count: int64 [1] holding N (the last group may be padded).
+template <bool MIN>
+torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
+                      const torch::Tensor& count, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
+                      double eps, const std::optional<torch::Tensor>& residual) {
+  const torch::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(), "activations must be a float32 CPU matrix [T, K]");
+  TORCH_CHECK(mode_in >= PLAIN && mode_in <= SWIGLU, "prologue must be 0 (plain), 1 (rms_norm) or 2 (swiglu)");
+  const Prologue mode = static_cast<Prologue>(mode_in);
+  TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
+  const int64_t T = x.size(0), K = mode == SWIGLU ? x.size(1) / 2 : x.size(1), nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(count.dim() == 1 && count.numel() == 1 && count.scalar_type() == torch::kInt64 && count.is_cpu(),
+              "interleaved weights need their output count N as a one-element int64 tensor");
+  const int64_t n = *count.data_ptr<int64_t>(), G = (n + 7) / 8;
+  TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(0) == G &&
+                  qs.size(1) == nb && qs.size(2) == R8_BLOCK_BYTES,
+              "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", ", nb, ", 128], got ", qs.sizes());
+  TORCH_CHECK(d.dim() == 3 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == G &&
+                  d.size(1) == nb && d.size(2) == 8,
+              "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
+  if (MIN)
+    TORCH_CHECK(m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() && m.size(0) == G &&
+                    m.size(1) == nb && m.size(2) == 8,
+                "interleaved block minima m must be contiguous float16 [", G, ", ", nb, ", 8]");
+  torch::Tensor nw;
+  if (mode == RMSNORM) {
+    TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
+    nw = norm_weight->contiguous();
+    TORCH_CHECK(nw.scalar_type() == torch::kFloat32 && nw.is_cpu() && nw.numel() == K, "rms_norm weight must be float32 [", K, "]");
+  }
+  torch::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.is_cpu() && res.dim() == 2 && res.size(0) == T && res.size(1) == n,
+                "residual must be float32 [", T, ", ", n, "]");
+  }
+  torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
+  if (T == 0 || n == 0) return y;
+  thread_local CallBuffers buf;
+  const ReleaseLargeBuffers release{buf};
+  buf.q.resize(T * K), buf.d.resize(T * nb), buf.s.resize(T * nb), buf.sums.resize(0);
+  quantize_rows_into(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr, static_cast<float>(eps), false,
+                     buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
+  std::vector<int32_t>& xs = buf.block_sums;
+  xs.resize(MIN ? 0 : T * nb);
+  if constexpr (!MIN) block_sums(buf.q.data(), T * nb, xs.data());
+  const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* wm = MIN ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  const int8_t* xq = buf.q.data();
+  const float *dx = buf.d.data(), *sx = buf.s.data();
+  const int32_t* xsp = xs.data();
+  float* yp = y.data_ptr<float>();
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
+  const int64_t group_bytes = nb * R8_BLOCK_BYTES;
+  const auto store = [&](int64_t g, int64_t t, __m256 a) {  // y = residual + x·Wᵀ, one rounding
+    const int64_t o = g * 8, live = std::min<int64_t>(8, n - o);
+    float* yo = yp + t * n + o;
+    if (live == 8) {
+      if (rp != nullptr) a = _mm256_add_ps(_mm256_loadu_ps(rp + t * n + o), a);
+      _mm256_storeu_ps(yo, a);
+      return;
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, a);
+    for (int64_t i = 0; i < live; ++i) yo[i] = rp != nullptr ? rp[t * n + o + i] + lanes[i] : lanes[i];
+  };
+  // threads split the groups; a chunk of groups stays in cache while every tile of rows passes it
+  constexpr int64_t GROUPS_PER_CHUNK = ROWS_PER_CHUNK / 8;
+  at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
+    for (int64_t c0 = g0; c0 < g1; c0 += GROUPS_PER_CHUNK) {
+      const int64_t c1 = std::min(g1, c0 + GROUPS_PER_CHUNK);
+      const auto rows = [&](auto tile_rows, int64_t t) {
+        constexpr int TN = decltype(tile_rows)::value;
+        for (int64_t g = c0; g < c1; ++g) {
+          if (t == 0 && g + 2 < g1) {  // the weights two groups ahead into cache (a decode step streams them)
+            const char* ahead = reinterpret_cast<const char*>(wq + (g + 2) * group_bytes);
+            for (int64_t off = 0; off < group_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(wd + (g + 2) * nb * 8), _MM_HINT_T0);
+            if constexpr (MIN) _mm_prefetch(reinterpret_cast<const char*>(wm + (g + 2) * nb * 8), _MM_HINT_T0);
+          }
+          __m256 acc[TN];
+          tile_r8<MIN, TN>(wq + g * group_bytes, wd + g * nb * 8, MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K,
+                           dx + t * nb, sx + t * nb, MIN ? nullptr : xsp + t * nb, K, acc);
+          for (int i = 0; i < TN; ++i) store(g, t + i, acc[i]);
+        }
+      };
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4) rows(std::integral_constant<int, 4>{}, t);
+      switch (T - t) {
+        case 3: rows(std::integral_constant<int, 3>{}, t); break;
+        case 2: rows(std::integral_constant<int, 2>{}, t); break;
+        case 1: rows(std::integral_constant<int, 1>{}, t); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor gemm_q4_0_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& count,
+                           int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
+                           const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<false>(x, qs, d, d, count, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_q4_1_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
+                           const torch::Tensor& count, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
+                           double eps, const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<true>(x, qs, d, m, count, prologue, norm_weight, eps, residual);
+}
+
 torch::Tensor gemm_q4_1(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                         const torch::Tensor& m, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
                         double eps, const std::optional<torch::Tensor>& residual) {
@@ -1661,6 +1833,12 @@ torch::Tensor dense_rows(const torch::Tensor& x_in, const torch::Tensor& w_in) {
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q4_0_r8", &gemm_q4_0_r8, "y [T, N] = x [T, K] float32 times Q4_0 weights, 8 outputs interleaved "
+        "(qs uint8 [ceil(N/8), K/32, 128], d fp16 [ceil(N/8), K/32, 8], count int64 [1]: N)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q4_1_r8", &gemm_q4_1_r8, "y [T, N] = x [T, K] float32 times Q4_1 weights, 8 outputs interleaved "
+        "(gemm_q4_0_r8's arrays and the minima m fp16 [ceil(N/8), K/32, 8])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q5_1", &gemm_q5_1, "y [T, N] = x [T, K] float32 times Q5_1 weights (Q4_1's arrays and the fifth bits qh int32 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
