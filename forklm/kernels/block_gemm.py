@@ -278,8 +278,12 @@ class BlockWeights:
 
     def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
-        if self.kind in R8_KINDS:
-            return interleave_r8(deinterleave_r8(self).rows(ids), minima=self.m is not None)
+        if self.kind in R8_KINDS:  # only the groups that hold them are read (an embedding lookup)
+            nb, group, lane = self.k // BLOCK, ids // 8, ids % 8
+            qs = self.qs.view(-1, nb, 4, 8, 4)[group, :, :, lane, :].reshape(-1, nb * 16)  # [R, nb, 4, 4]
+            m = None if self.m is None else block_minima(self.m[group, :, lane])
+            return interleave_r8(BlockWeights("q4_1", qs, self.d[group, :, lane], m, int(ids.numel()), self.k),
+                                 minima=self.m is not None)
         pick = lambda t: None if t is None else t.index_select(0, ids)
         regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
         d = self.d if self.kind == "q8_0_stored" else pick(self.d)  # stored Q8_0: d is the width
@@ -390,13 +394,17 @@ def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
         raise ValueError(f"only q4_1 blocks interleave, got {w.kind}")
     n, nb = w.n, w.k // BLOCK
     groups = (n + 7) // 8
-    qs = torch.zeros(groups * 8, nb, 16, dtype=torch.uint8)
-    qs[:n] = w.qs.view(n, nb, 16)
-    # [G, 8 outputs, nb, 4 runs, 4 bytes] -> [G, nb, run, output, byte]
-    qs = qs.view(groups, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
-    d = torch.zeros(groups * 8, nb, dtype=torch.float16)
-    d[:n] = w.d
-    d = d.view(groups, 8, nb).transpose(1, 2).contiguous()
+    if available():  # one C++ pass (a file's load)
+        qs, d = torch.empty(groups, nb, 128, dtype=torch.uint8), torch.empty(groups, nb, 8, dtype=torch.float16)
+        _extension().interleave_r8(w.qs.contiguous(), w.d.contiguous(), qs, d)
+    else:  # the same bytes with PyTorch's operators
+        qs = torch.zeros(groups * 8, nb, 16, dtype=torch.uint8)
+        qs[:n] = w.qs.view(n, nb, 16)
+        # [G, 8 outputs, nb, 4 runs, 4 bytes] -> [G, nb, run, output, byte]
+        qs = qs.view(groups, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
+        d = torch.zeros(groups * 8, nb, dtype=torch.float16)
+        d[:n] = w.d
+        d = d.view(groups, 8, nb).transpose(1, 2).contiguous()
     return BlockWeights("q4_1_r8" if minima else "q4_0_r8", qs, d, w.m if minima else None, n, w.k,
                         count=torch.tensor([n], dtype=torch.int64))
 

@@ -344,8 +344,14 @@ def stored_block_weights(parts: list[GGMLWeights]):
     only_q4_0 = all(p.type_name == "Q4_0" for p in parts)
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
-    qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
-    d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
+    interleaved = kind == "q4_1"  # Q4_0 / Q4_1: repacked straight into 8 outputs interleaved
+    if interleaved:  # (the last group's missing outputs zero)
+        groups = (n + 7) // 8
+        make = torch.zeros if n % 8 else torch.empty
+        qs, d = make(groups, nb, 128, dtype=torch.uint8), make(groups, nb, 8, dtype=torch.float16)
+    else:
+        qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
+        d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
     m = None if kind in ("q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
     qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
     sc = mq = q2 = None
@@ -386,9 +392,10 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if kind in ("q4_k", "q5_k"):
         return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
                                        block_gemm.block_minima(m))
-    if kind == "q4_1":  # 8 outputs interleaved (Q4_0 alone: no minima, w = d·(q − 8))
-        return block_gemm.interleave_r8(block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k),
-                                        minima=not only_q4_0)
+    if interleaved:  # Q4_0 alone keeps no minima: w = d·(q − 8)
+        return block_gemm.BlockWeights("q4_0_r8" if only_q4_0 else "q4_1_r8", qs, d,
+                                       None if only_q4_0 else block_gemm.block_minima(m), n, k,
+                                       count=torch.tensor([n], dtype=torch.int64))
     return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 
 

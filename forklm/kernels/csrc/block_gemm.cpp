@@ -1383,6 +1383,41 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   return y;
 }
 
+// q4_1-layout values and scales (qs uint8 [N, nb·16], d fp16 [N, nb]) -> the interleaved layout
+// (qs8 uint8 [G, nb, 128], d8 fp16 [G, nb, 8]; the last group's missing outputs zero), one pass.
+void interleave_r8(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& qs8, const torch::Tensor& d8) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.size(1) % 16 == 0,
+              "interleave: qs must be contiguous uint8 [N, K/2]");
+  const int64_t n = qs.size(0), nb = qs.size(1) / 16, G = (n + 7) / 8;
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.size(0) == n && d.size(1) == nb,
+              "interleave: d must be contiguous float16 [N, K/32]");
+  TORCH_CHECK(qs8.scalar_type() == torch::kUInt8 && qs8.is_contiguous() && qs8.numel() == G * nb * R8_BLOCK_BYTES &&
+                  d8.scalar_type() == torch::kFloat16 && d8.is_contiguous() && d8.numel() == G * nb * 8,
+              "interleave: outputs must be contiguous uint8 [G, nb, 128] and float16 [G, nb, 8]");
+  const uint8_t* src = qs.data_ptr<uint8_t>();
+  const uint16_t* dsrc = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  uint8_t* dst = qs8.data_ptr<uint8_t>();
+  uint16_t* ddst = reinterpret_cast<uint16_t*>(d8.data_ptr());
+  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* out = dst + (g * nb + b) * R8_BLOCK_BYTES;
+        uint16_t* dout = ddst + (g * nb + b) * 8;
+        for (int64_t r = 0; r < 8; ++r) {
+          const int64_t o = g * 8 + r;
+          if (o >= n) {
+            for (int j = 0; j < 4; ++j) std::memset(out + 32 * j + 4 * r, 0, 4);
+            dout[r] = 0;
+            continue;
+          }
+          const uint8_t* in = src + (o * nb + b) * 16;
+          for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j + 4 * r, in + 4 * j, 4);
+          dout[r] = dsrc[o * nb + b];
+        }
+      }
+  });
+}
+
 torch::Tensor gemm_q4_0_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& count,
                            int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
                            const std::optional<torch::Tensor>& residual) {
@@ -1703,7 +1738,12 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     TORCH_CHECK(order->dim() == 1 && order->scalar_type() == torch::kInt64 && order->is_contiguous() && order->is_cpu(),
                 "repack: the row order must be a contiguous int64 CPU vector");
   const Stored type = stored_type(type_name);
-  const int64_t n = qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
+  // Q4_0 / Q4_1 straight into the interleaved layout (qs uint8 [G, nb, 128], d fp16 [G, nb, 8]; m plain
+  // [N, nb], its rows giving N)
+  const bool r8 = qs.dim() == 3;
+  TORCH_CHECK(!r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1) && m.has_value() && m->dim() == 2),
+              "repack: only Q4_0 / Q4_1 blocks repack interleaved, with their minima m [N, K/32]");
+  const int64_t n = r8 ? m->size(0) : qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
   const int64_t* order_p = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; order_p != nullptr && i < r; ++i)
     TORCH_CHECK(order_p[i] >= 0 && order_p[i] < raw.size(0), "repack: row order entry ", order_p[i], " outside the ",
@@ -1719,12 +1759,19 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
   const int64_t nb = legacy ? blocks : blocks * 8;  // blocks of 32 per row
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
-  uint8_t* qs_p = rows_of<uint8_t>(qs_opt, row0, "qs", n);
-  uint16_t* d_p = rows_of<uint16_t>(d_opt, row0, "d", n);
+  const int64_t groups = (n + 7) / 8;
+  if (r8)
+    TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == torch::kUInt8 && qs.size(0) == groups && qs.size(1) == nb &&
+                    qs.size(2) == R8_BLOCK_BYTES && d.is_contiguous() && d.scalar_type() == torch::kFloat16 &&
+                    d.dim() == 3 && d.size(0) == groups && d.size(1) == nb && d.size(2) == 8,
+                "repack: interleaved qs / d must be contiguous [", groups, ", ", nb, ", 128] uint8 / [", groups, ", ", nb,
+                ", 8] float16");
+  uint8_t* qs_p = r8 ? qs.data_ptr<uint8_t>() : rows_of<uint8_t>(qs_opt, row0, "qs", n);
+  uint16_t* d_p = r8 ? reinterpret_cast<uint16_t*>(d.data_ptr()) : rows_of<uint16_t>(d_opt, row0, "d", n);
   uint16_t* m_p = m.has_value() ? rows_of<uint16_t>(m, row0, "m", n) : nullptr;
   uint32_t* qh_p = qh.has_value() ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
-  TORCH_CHECK(qs.numel() / n == (q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
-  TORCH_CHECK(d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
+  TORCH_CHECK(r8 || qs.numel() / n == (q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
+  TORCH_CHECK(r8 || d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
   TORCH_CHECK(m_p != nullptr || q6 || q3 || q2k || xs || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
   TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
               "repack: ", type_name, " needs qh");
@@ -1754,7 +1801,18 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     int64_t local = 0;
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = src + (order_p != nullptr ? order_p[i] : i) * bytes;
-      if (legacy) {
+      if (r8) {  // the row's blocks as q4_1 rows are laid out, then into output o's lanes of its group
+        thread_local std::vector<uint8_t> row_qs;
+        thread_local std::vector<uint16_t> row_d;
+        row_qs.resize(nb * 16), row_d.resize(nb);
+        local += repack_legacy_row(type, row, nb, row_qs.data(), row_d.data(), m_p + i * nb, nullptr);
+        const int64_t o = row0 + i, g = o / 8, lane = o % 8;
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* out = qs_p + (g * nb + b) * R8_BLOCK_BYTES + 4 * lane;
+          for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j, row_qs.data() + b * 16 + 4 * j, 4);
+          d_p[(g * nb + b) * 8 + lane] = row_d[b];
+        }
+      } else if (legacy) {
         local += repack_legacy_row(type, row, nb, qs_p + i * nb * 16, d_p + i * nb,
                                    m_p ? m_p + i * nb : nullptr, qh_p ? qh_p + i * nb : nullptr);
       } else if (q6) {
@@ -1836,6 +1894,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q4_0_r8", &gemm_q4_0_r8, "y [T, N] = x [T, K] float32 times Q4_0 weights, 8 outputs interleaved "
         "(qs uint8 [ceil(N/8), K/32, 128], d fp16 [ceil(N/8), K/32, 8], count int64 [1]: N)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("interleave_r8", &interleave_r8, "q4_1-layout qs uint8 [N, K/2], d fp16 [N, K/32] -> into qs8 uint8 "
+        "[ceil(N/8), K/32, 128], d8 fp16 [ceil(N/8), K/32, 8] (8 outputs interleaved)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q4_1_r8", &gemm_q4_1_r8, "y [T, N] = x [T, K] float32 times Q4_1 weights, 8 outputs interleaved "
         "(gemm_q4_0_r8's arrays and the minima m fp16 [ceil(N/8), K/32, 8])",
