@@ -61,11 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     flat_minima = [None if b.m is None else bg.unblock_minima(b.m, b.n).contiguous() for b in mats]
     # a build from before Q8_0 was read in place (no gemm_q8_0_stored) runs those blocks copied, as it loaded them
     copied = {id(b): bg.pack_q8_0(*b.unpack()[:2]) for b in mats if b.kind == "q8_0_stored"}
-    q4 = next((i for i, b in enumerate(mats) if b.kind == "q4_1"), None)
+    # a build from before the interleaved 4-bit layouts runs those blocks in the plain q4_1 layout
+    plain = {id(b): bg.deinterleave_r8(b) for b in mats if b.kind in getattr(bg, "R8_KINDS", ())}
+    flat_plain = {i: bg.unblock_minima(p.m, p.n).contiguous() for i, p in plain.items()}
+    q4 = next((b for b in mats if b.kind == "q4_1"), next(iter(plain.values()), None))
     for name, (ext, old) in builds.items():  # which minima layout each build takes
         try:
             if q4 is not None:
-                ext.gemm_q4_1(torch.randn(1, mats[q4].k), mats[q4].qs, mats[q4].d, mats[q4].m, 0, None, 0.0, None)
+                ext.gemm_q4_1(torch.randn(1, q4.k), q4.qs, q4.d, q4.m, 0, None, 0.0, None)
             builds[name] = (ext, False)
         except RuntimeError:  # a kernel from before the grouped layout: minima [N, K/32]
             builds[name] = (ext, True)
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     def product(ext, flat_layout, b, flat, x):
         if b.kind == "q8_0_stored" and not hasattr(ext, "gemm_q8_0_stored"):
             b = copied[id(b)]
+        if id(b) in plain and not hasattr(ext, f"gemm_{b.kind}"):
+            b, flat = plain[id(b)], flat_plain[id(b)]
         if b.kind == "q4_1" and flat_layout:
             return ext.gemm_q4_1(x, b.qs, b.d, flat, 0, None, 0.0, None)
         return getattr(ext, f"gemm_{b.kind}")(x, *b.kernel_arrays(), 0, None, 0.0, None)
