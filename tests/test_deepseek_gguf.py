@@ -168,7 +168,7 @@ def test_quantized_file_runs_as_stored(files):
     from forklm.info import report
 
     layers = report(fast)["model"]["layers"]  # `forklm info`: each product's stored types and kernel
-    assert layers["expert gate_up: Q4_0+Q4_0 -> block kernel (q4_1 layout, Q8 activations)"].startswith("16 experts")
+    assert layers["expert gate_up: Q4_0+Q4_0 -> block kernel (q4_0_r8 layout, Q8 activations)"].startswith("16 experts")
     assert any(k.startswith("expert down: Q5_1 -> block kernel") for k in layers)
     dense = LLM(str(mixed), dtype="float32", quantize=None).model
     ids = torch.randint(0, SMOLLM2_VOCAB, (14,), generator=torch.Generator().manual_seed(5))
