@@ -25,10 +25,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockQuantized:
     g = torch.Generator().manual_seed(seed)
     d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
-    if kind in ("q4_1", "q5_1", "q4_1_r8", "q4_0_r8"):
-        q = torch.randint(0, 32 if kind == "q5_1" else 16, (n, k), generator=g, dtype=torch.uint8)
-        m = -8 * d if kind == "q4_0_r8" else (-torch.rand(n, k // 32, generator=g) * 0.4).half().float()
-        return BlockQuantized("q5_1" if kind == "q5_1" else "q4_1", q, d, m)
+    if kind in ("q4_1", "q5_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8"):
+        five = kind.startswith("q5")
+        q = torch.randint(0, 32 if five else 16, (n, k), generator=g, dtype=torch.uint8)
+        m = {"q4_0_r8": -8 * d, "q5_0_r8": -16 * d}.get(kind)
+        m = (-torch.rand(n, k // 32, generator=g) * 0.4).half().float() if m is None else m
+        return BlockQuantized("q5_1" if five else "q4_1", q, d, m)
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # -128 too: the kernel's |w| edge
     return BlockQuantized("q8_0", q, d)
 
@@ -95,7 +97,7 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1", "q8_0", "q8_0_stored", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"]
+KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_stored", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"]
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
@@ -142,10 +144,12 @@ def block_weights_of(kind: str, b: BlockQuantized) -> bg.BlockWeights:
         return bg.pack_q4_1(b.q, b.d, b.m)
     if kind == "q4_0_r8":
         return bg.pack_q4_0_r8(b.q, b.d)
+    if kind in ("q5_1_r8", "q5_0_r8"):
+        return bg.interleave_r8(bg.pack_q5_1(b.q, b.d, b.m), minima=kind == "q5_1_r8")
     return b.to_block_weights()
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1", "q8_0", "q8_0_stored"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1", "q5_1_r8", "q5_0_r8", "q8_0", "q8_0_stored"])
 @pytest.mark.parametrize("t, n, k", [(1, 64, 64), (2, 7, 32), (3, 97, 576), (4, 130, 96), (5, 3, 1536),
                                      (9, 70, 160), (33, 65, 576), (1, 1, 32), (6, 8, 64), (7, 17, 96)])
 def test_gemm_matches_reference(kind, t, n, k):
@@ -157,7 +161,7 @@ def test_gemm_matches_reference(kind, t, n, k):
     assert rel_err(y, bg.gemm_reference(x, w)) < 1e-5
     # and close to the float product of the dequantized weights (the activations' Q8 rounding only;
     # a lone dot product of Q4_0's symmetric weights can cancel: its relative error is no measure)
-    if t * n >= 16 or kind != "q4_0_r8":
+    if t * n >= 16 or kind not in ("q4_0_r8", "q5_0_r8"):
         assert rel_err(y, x.double() @ b.dequantize().double().t()) < 0.02
 
 
@@ -255,13 +259,17 @@ def test_q6_k_integer_sums_do_not_overflow_at_the_extremes():
 
 
 def test_4_bit_integer_sums_do_not_overflow_at_the_extremes():
-    """Interleaved Q4_0 / Q4_1: every nibble 15 (or 0) against activations at ±127 puts each block's
-    int16 sum of 8 byte-pair products at its largest (8 · 2 · 15 · 127 = 30480): no saturation."""
+    """Interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1: every value at its largest (or 0) against activations at
+    ±127 puts each int16 sum of byte-pair products at its largest (4-bit: 8 · 2 · 15 · 127 = 30480; 5-bit,
+    two runs at a time: 4 · 2 · 31 · 127 = 31496): no saturation."""
     n, k = 19, 256
     d = torch.full((n, k // 32), 1e-3).half().float()
     for value in (15, 0):
         q = torch.full((n, k), value, dtype=torch.uint8)
-        for w in (bg.pack_q4_0_r8(q, d), bg.pack_q4_1_r8(q, d, torch.full_like(d, -0.25))):
+        q5 = q * 31 // 15  # 31 or 0: the 5-bit sums at their largest (4 · 2 · 31 · 127 per int16 pass)
+        for w in (bg.pack_q4_0_r8(q, d), bg.pack_q4_1_r8(q, d, torch.full_like(d, -0.25)),
+                  bg.interleave_r8(bg.pack_q5_1(q5, d, -16 * d), minima=False),
+                  bg.interleave_r8(bg.pack_q5_1(q5, d, torch.full_like(d, -0.25)))):
             x = torch.where(torch.rand(3, k) < 0.5, -1.0, 1.0) * 5.0
             x[0] = 5.0  # all +127
             assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
@@ -281,8 +289,14 @@ def test_interleaved_blocks_keep_the_values_and_their_rows():
         w0 = bg.pack_q4_0_r8(b.q, b.d)
         assert w0.m is None and torch.equal(w0.dequantize(), b.d.repeat_interleave(32, 1) * (b.q.float() - 8))
         assert torch.equal(w0.rows(ids).dequantize(), w0.dequantize()[ids])
-    with pytest.raises(ValueError, match="only q4_1 blocks"):
-        bg.interleave_r8(random_blocks("q5_1", 8, 32, seed=1).to_block_weights())
+        b5 = random_blocks("q5_1_r8", n, 96, seed=n)
+        w5 = block_weights_of("q5_1_r8", b5)
+        assert w5.kind == "q5_1_r8" and w5.qh.shape == ((n + 7) // 8, 3, 32)
+        assert torch.equal(w5.dequantize(), b5.dequantize())
+        assert torch.equal(w5.rows(ids).dequantize(), b5.dequantize()[ids])
+        assert torch.equal(bg.deinterleave_r8(w5).qh, bg.pack_q5_1(b5.q, b5.d, b5.m).qh)
+    with pytest.raises(ValueError, match="only q4_1 / q5_1 blocks"):
+        bg.interleave_r8(random_weights("q8_0", 8, 32, seed=1))
 
 
 def test_block_weights_round_trip_the_gguf_values():

@@ -136,17 +136,21 @@ def as_blocks(w: torch.Tensor, kind: str):
         step, minimum = (ds.repeat_interleave(16, 1) * sc).unsqueeze(-1), (dmin.repeat_interleave(16, 1) * mn).unsqueeze(-1)
         q = torch.round((v + minimum) / step).clamp(0, 3).to(torch.uint8).view(n, k)
         return bg.pack_q2_k(q, ds, dmin, sc.to(torch.uint8), mn.to(torch.uint8))
-    if kind == "q4_0_r8":  # symmetric: w = d·(q − 8)
-        d = (blocks.abs().amax(-1) / 8).half().float().clamp_min(1e-6)
-        q = (torch.round(blocks / d.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.uint8).view(n, k)
-        return bg.pack_q4_0_r8(q, d)
+    if kind in ("q4_0_r8", "q5_0_r8"):  # symmetric: w = d·(q − 8) / d·(q − 16)
+        half = 8 if kind == "q4_0_r8" else 16
+        d = (blocks.abs().amax(-1) / half).half().float().clamp_min(1e-6)
+        q = (torch.round(blocks / d.unsqueeze(-1)) + half).clamp(0, 2 * half - 1).to(torch.uint8).view(n, k)
+        if kind == "q4_0_r8":
+            return bg.pack_q4_0_r8(q, d)
+        return bg.interleave_r8(bg.pack_q5_1(q, d, -half * d), minima=False)
     qmax = 15 if kind.startswith("q4") else 31
     lo = blocks.amin(-1).clamp_max(0)
     d = ((blocks.amax(-1) - lo) / qmax).clamp_min(1e-6)
-    if kind in ("q5_1", "q4_1_r8"):
+    if kind in ("q5_1", "q4_1_r8", "q5_1_r8"):
         d, lo = d.half().float(), lo.half().float()
         q = torch.round((blocks - lo.unsqueeze(-1)) / d.unsqueeze(-1)).clamp(0, qmax).to(torch.uint8).view(n, k)
-        return BlockQuantized(kind[:4], q, d, lo).to_block_weights()
+        w = BlockQuantized(kind[:4], q, d, lo).to_block_weights()
+        return bg.interleave_r8(w) if kind == "q5_1_r8" else w
     ds = (d.view(n, -1, 8).amax(-1) / 63).half().float()
     dm = (lo.view(n, -1, 8).amin(-1) / 63).half().float().clamp_max(-1e-6)
     sc = torch.round(d / ds.repeat_interleave(8, 1)).clamp(1, 63)
@@ -159,7 +163,7 @@ def as_blocks(w: torch.Tensor, kind: str):
 
 
 def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
-    """Interleaved Q4_0 / Q4_1, Q5_1 (GGUF Q5_0 / Q5_1), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS matrices mixed across a model's layers: the
+    """Interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS matrices mixed across a model's layers: the
     stack's samples and log-probabilities equal the layer loop's bit for bit."""
     from conftest import tiny_llama
 
@@ -168,24 +172,25 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_1", "q4_k", "q5_k", "q8_0", "q6_k", "iq4_xs", "q2_k", "iq4_nl", "q3_k", "q8_0_stored", "q4_0_r8",
-             "q4_1_r8"]  # o: 1, 3, 5, 7
+    kinds = ["q5_0_r8", "q4_k", "q5_k", "q8_0", "q6_k", "iq4_xs", "q2_k", "iq4_nl", "q3_k", "q8_0_stored", "q4_0_r8",
+             "q4_1_r8", "q5_1_r8"]  # o: 1, 3, 5, 7
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
             layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % len(kinds)]))
     # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside
     # Q6_K; Q2_K beside Q3_K, as a Q2_K file mixes them)
-    pairs = (("q5_1", "q8_0_stored"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k"))
+    pairs = (("q5_0_r8", "q8_0_stored"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k"))
     for layer, (a, b) in zip(model.layers, pairs):
         w = layer["qkv"].dequantize()
-        layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)])
+        layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)] if a != "q5_0_r8" else
+                                   [as_blocks(w[:128], "q5_1_r8"), as_blocks(w[128:256], a), as_blocks(w[256:], b)])
         w = layer["gate_up"].dequantize()
         layer["gate_up"] = BlockLinear([as_blocks(w[:512], b), as_blocks(w[512:], a)])
         w = layer["down"].dequantize()  # the residual fused into parts: each its columns
         layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
     for i, kind in ((0, "q4_0_r8"), (2, "q4_1_r8")):  # the interleaved 4-bit layouts (files' Q4_0 / Q4_1)
         model.layers[i]["o"] = BlockLinear(as_blocks(model.layers[i]["o"].dequantize(), kind))
-    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1+q8_0_stored", "q4_k+q6_k", "q2_k+q3_k", "iq4_xs+q5_k"}
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1_r8+q5_0_r8+q8_0_stored", "q4_k+q6_k", "q2_k+q3_k", "iq4_xs+q5_k"}
     assert {layer["o"].kind for layer in model.layers} == {"q4_0_r8", "q8_0", "q4_1_r8", "iq4_nl"}
     used = {part.kind for layer in model.layers for w in layer.values() if isinstance(w, BlockLinear) for part in w.parts}
     assert used == set(kinds), set(kinds) - used  # every layout on the stack somewhere

@@ -133,6 +133,7 @@ def test_bad_shapes_are_clear_errors():
 
 @pytest.mark.parametrize("types, k", [
     (types, k) for types in (["Q4_0"], ["Q4_1"], ["Q4_0", "Q4_0"], ["Q4_1", "Q4_0", "Q4_1"], ["Q5_0"], ["Q5_1"],
+                             ["Q5_0", "Q5_0"], ["Q4_0", "Q5_0"],
                              ["Q4_0", "Q5_1", "Q4_1"], ["Q5_0", "Q5_0", "Q5_1"], ["Q8_0"],
                              ["IQ4_NL"], ["IQ4_NL", "IQ4_NL"])
     for k in (96, 576)  # an odd number of blocks (the last one alone) and the default model's
@@ -161,8 +162,9 @@ def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
         want.append(values if order is None else values[order])
     w = quant.stored_block_weights(parts)
     kind = quant.block_kernel_kind(types)
-    if kind == "q4_1":  # run interleaved, Q4_0 alone without minima
-        kind = "q4_0_r8" if set(types) == {"Q4_0"} else "q4_1_r8"
+    if kind in ("q4_1", "q5_1"):  # run interleaved, Q4_0 / Q5_0 alone without minima
+        alone = {"q4_1": "Q4_0", "q5_1": "Q5_0"}[kind]
+        kind = kind[:3] + ("0_r8" if set(types) == {alone} else "1_r8")
     assert w.kind == kind
     assert torch.equal(w.dequantize(), torch.cat(want))
     x = torch.randn(5, k, generator=gen)
@@ -190,9 +192,9 @@ def test_the_repack_refuses_a_row_order_outside_the_stored_rows():
 
 @pytest.mark.parametrize("type_name,factor", [("Q4_0", -8), ("Q5_0", -16)])
 def test_a_minimum_that_overflows_float16_is_refused(type_name, factor):
-    """Q4_0 beside Q4_1 / Q5_0 run as Q4_1 / Q5_1 with minimum factor·d in float16: a block whose d is
-    too large for that is refused with the count and the rule, never written as an infinity. Q4_0
-    alone keeps no minima (its −8d is applied in integers): the same block loads, exactly."""
+    """Q4_0 / Q5_0 beside Q4_1 / Q5_1 run as Q4_1 / Q5_1 with minimum factor·d in float16: a block whose
+    d is too large for that is refused with the count and the rule, never written as an infinity.
+    Alone they keep no minima (factor·d is applied in integers): the same block loads, exactly."""
     from forklm.models import quant
 
     gen = torch.Generator().manual_seed(3)
@@ -200,10 +202,10 @@ def test_a_minimum_that_overflows_float16_is_refused(type_name, factor):
     huge = torch.tensor([60000.0], dtype=torch.float16).view(torch.uint8)
     rows[4, 0:2] = huge  # row 4, block 0: d = 60000, so factor·d overflows
     parts = [ggml_gemm.GGMLWeights(rows, type_name, 9, 64)]
-    if type_name == "Q4_0":
-        w = quant.stored_block_weights(parts)
-        assert w.kind == "q4_0_r8" and torch.equal(w.dequantize(), gguf_dequantize(rows, "Q4_0"))
-        parts.append(ggml_gemm.GGMLWeights(random_rows("Q4_1", 8, 64, gen), "Q4_1", 8, 64))
+    w = quant.stored_block_weights(parts)  # alone: no minima kept, so nothing to overflow
+    assert w.kind == type_name.lower() + "_r8" and torch.equal(w.dequantize(), gguf_dequantize(rows, type_name))
+    partner = {"Q4_0": "Q4_1", "Q5_0": "Q5_1"}[type_name]
+    parts.append(ggml_gemm.GGMLWeights(random_rows(partner, 8, 64, gen), partner, 8, 64))
     with pytest.raises(ValueError, match=rf"1 {type_name} blocks' minimum {factor}d overflows float16"):
         quant.stored_block_weights(parts)
 

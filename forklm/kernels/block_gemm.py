@@ -173,6 +173,9 @@ class BlockWeights:
           at 4r), d float16 [⌈N/8⌉, K/32, 8], m float16 [⌈N/8⌉, K/32, 8] (q4_1's grouped minima, the
           last group padded with zeros), count int64 [1] holding N: w = d·q + m.
     q4_0_r8: q4_1_r8 without minima (GGUF Q4_0): w = d·(q − 8).
+    q5_1_r8 / q5_0_r8: q4_1_r8 / q4_0_r8 (the values' low 4 bits) and qh uint8 [⌈N/8⌉, K/32, 32], the fifth
+          bits (byte 4r + k of a block: at bit j that of value 4j + k of output r, at bit 4 + j that of
+          value 16 + 4j + k): w = d·q + m / d·(q − 16), q in 0..31 (GGUF Q5_1 / Q5_0).
     q5_1: q4_1's arrays (the values' low 4 bits) and qh int32 [N, K/32]: their fifth bits, a block
           pair's two words arranged as the kernel reads the pair (`arrange_high_bits`): w = d·q + m,
           q in 0..31 (GGUF Q5_0 is Q5_1 with minimum −16d, exactly).
@@ -229,7 +232,8 @@ class BlockWeights:
     def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
         """The arrays in the order the kernel's `gemm_<kind>` takes them."""
         return {"q4_1": (self.qs, self.d, self.m), "q4_0_r8": (self.qs, self.d, self.count),
-                "q4_1_r8": (self.qs, self.d, self.m, self.count), "q5_1": (self.qs, self.qh, self.d, self.m),
+                "q4_1_r8": (self.qs, self.d, self.m, self.count), "q5_0_r8": (self.qs, self.qh, self.d, self.count),
+                "q5_1_r8": (self.qs, self.qh, self.d, self.m, self.count), "q5_1": (self.qs, self.qh, self.d, self.m),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
@@ -244,7 +248,7 @@ class BlockWeights:
             return self.qs, self.d.float(), None
         if self.kind in R8_KINDS:
             q, d, m = deinterleave_r8(self).unpack()
-            return q, d, (-8 * d if self.kind == "q4_0_r8" else m)
+            return q, d, ({"q4_0_r8": -8 * d, "q5_0_r8": -16 * d}.get(self.kind, m))
         if self.kind == "q8_0_stored":
             q, d = _extension().unpack_q8_0_stored(self.qs, self.k)
             return q, d.float(), None
@@ -278,6 +282,12 @@ class BlockWeights:
 
     def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
+        if self.kind in ("q5_0_r8", "q5_1_r8"):  # the groups that hold them, as plain q5_1 blocks
+            groups, local = torch.unique(ids // 8, return_inverse=True)
+            pick = lambda t: None if t is None else t.index_select(0, groups)
+            sub = BlockWeights(self.kind, pick(self.qs), pick(self.d), pick(self.m), 8 * int(groups.numel()), self.k,
+                               pick(self.qh))
+            return deinterleave_r8(sub).rows(local * 8 + ids % 8)
         if self.kind in R8_KINDS:  # only the groups that hold them are read (an embedding lookup)
             nb, group, lane = self.k // BLOCK, ids // 8, ids % 8
             qs = self.qs.view(-1, nb, 4, 8, 4)[group, :, :, lane, :].reshape(-1, nb * 16)  # [R, nb, 4, 4]
@@ -384,16 +394,42 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
     return BlockWeights("q4_1", pack_nibbles(q), _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
 
 
-R8_KINDS = ("q4_0_r8", "q4_1_r8")  # 4-bit blocks with 8 outputs interleaved
+R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8")  # 4- and 5-bit blocks with 8 outputs interleaved
+
+
+def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
+    """q5_1's arranged fifth-bit words int32 [N, nb] -> q5_1_r8's qh uint8 [⌈N/8⌉, nb, 32]."""
+    n, nb = qh.shape
+    bits = (arrange_high_bits(qh).long().unsqueeze(-1) >> torch.arange(BLOCK)) & 1  # [N, nb, 32]: GGUF's order
+    lo, hi = bits[..., :16].view(n, nb, 4, 4), bits[..., 16:].view(n, nb, 4, 4)  # [.., j, k]: value 4j + k
+    shifts = torch.arange(4).view(4, 1)
+    byte = ((lo << shifts) | (hi << (shifts + 4))).sum(-2)  # [N, nb, k]
+    padded = torch.zeros((n + 7) // 8 * 8, nb, 4, dtype=torch.uint8)
+    padded[:n] = byte.to(torch.uint8)
+    return padded.view(-1, 8, nb, 4).permute(0, 2, 1, 3).reshape(-1, nb, 32).contiguous()
+
+
+def _fifth_bit_words(qh8: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `_fifth_bit_bytes`: [⌈N/8⌉, nb, 32] -> arranged int32 words [N, nb]."""
+    groups, nb, _ = qh8.shape
+    byte = qh8.view(groups, nb, 8, 4).permute(0, 2, 1, 3).reshape(groups * 8, nb, 4)[:n].long()  # [N, nb, k]
+    bits = (byte.unsqueeze(-1) >> torch.arange(8)) & 1  # [N, nb, k, p]
+    lo, hi = bits[..., :4].transpose(-1, -2), bits[..., 4:].transpose(-1, -2)  # [N, nb, j, k]
+    raw = torch.cat([lo.reshape(n, nb, 16), hi.reshape(n, nb, 16)], -1)  # value 4j + k, then 16 + 4j + k
+    return arrange_high_bits(_as_int32((raw << torch.arange(BLOCK)).sum(-1)))
 
 
 def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
-    """q4_1 blocks -> q4_1_r8 (minima=False: q4_0_r8, for blocks whose minima are −8d, which the kernel
-    then takes as d·(q − 8) in integers; the minima are dropped unchecked)."""
-    if w.kind != "q4_1":
-        raise ValueError(f"only q4_1 blocks interleave, got {w.kind}")
+    """q4_1 / q5_1 blocks -> q4_1_r8 / q5_1_r8 (minima=False: q4_0_r8 / q5_0_r8, for blocks whose minima are
+    −8d / −16d, which the kernel then applies in integers; the minima are dropped unchecked)."""
+    if w.kind not in ("q4_1", "q5_1"):
+        raise ValueError(f"only q4_1 / q5_1 blocks interleave, got {w.kind}")
     n, nb = w.n, w.k // BLOCK
     groups = (n + 7) // 8
+    if w.kind == "q5_1":
+        four = interleave_r8(BlockWeights("q4_1", w.qs, w.d, w.m, n, w.k), minima)
+        return BlockWeights("q5_1_r8" if minima else "q5_0_r8", four.qs, four.d, four.m, n, w.k,
+                            qh=_fifth_bit_bytes(w.qh), count=four.count)
     if available():  # one C++ pass (a file's load)
         qs, d = torch.empty(groups, nb, 128, dtype=torch.uint8), torch.empty(groups, nb, 8, dtype=torch.float16)
         _extension().interleave_r8(w.qs.contiguous(), w.d.contiguous(), qs, d)
@@ -415,7 +451,10 @@ def deinterleave_r8(w: BlockWeights) -> BlockWeights:
     groups = w.qs.shape[0]
     qs = w.qs.view(groups, nb, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, nb * 16)[:n].contiguous()
     d = w.d.transpose(1, 2).reshape(groups * 8, nb)[:n].contiguous()
-    m = w.m if w.m is not None else block_minima((-8 * d.float()).half())  # (`unpack` forms q4_0's −8d in float32)
+    five = w.qh is not None
+    m = w.m if w.m is not None else block_minima((-(16 if five else 8) * d.float()).half())  # (`unpack` forms −8d / −16d in float32)
+    if five:
+        return BlockWeights("q5_1", qs, d, m, n, w.k, _fifth_bit_words(w.qh, n))
     return BlockWeights("q4_1", qs, d, m, n, w.k)
 
 

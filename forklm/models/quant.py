@@ -342,9 +342,10 @@ def stored_block_weights(parts: list[GGMLWeights]):
         return block_gemm.stored_q8_0([(p.data, p.row_order) for p in parts], k)
     nb, nsb = k // 32, k // 256
     only_q4_0 = all(p.type_name == "Q4_0" for p in parts)
+    only_q5_0 = all(p.type_name == "Q5_0" for p in parts)  # (Q4_0 and Q5_0 alone keep no minima)
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
-    interleaved = kind == "q4_1"  # Q4_0 / Q4_1: repacked straight into 8 outputs interleaved
+    interleaved = kind in ("q4_1", "q5_1")  # Q4_0-Q5_1: repacked straight into 8 outputs interleaved
     if interleaved:  # (the last group's missing outputs zero)
         groups = (n + 7) // 8
         make = torch.zeros if n % 8 else torch.empty
@@ -353,7 +354,9 @@ def stored_block_weights(parts: list[GGMLWeights]):
         qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
         d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
     m = None if kind in ("q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
-    qh = torch.zeros(n, nb, dtype=torch.int32) if kind in ("q5_1", "q5_k") else None  # 4-bit parts: fifth bits 0
+    qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" else None  # 4-bit parts: fifth bits 0
+    if kind == "q5_1":  # interleaved: a block's fifth bits in 32 bytes per 8 outputs (`block_gemm.BlockWeights`)
+        qh = torch.zeros((n + 7) // 8, nb, 32, dtype=torch.uint8)
     sc = mq = q2 = None
     if kind in ("q4_k", "q5_k"):
         sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
@@ -375,7 +378,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
                 raise ValueError(f"a row order of {order.numel()} rows for a part of {part.n}")
             overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc,
                                                  mq, q2, order=order)
-            if overflowing and not only_q4_0:  # (Q4_0 alone keeps no minima: its −8d is applied in integers)
+            if overflowing and not (only_q4_0 or only_q5_0):  # (alone, their −8d / −16d is applied in integers)
                 factor = -8 if part.type_name == "Q4_0" else -16
                 raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")
         row0 += part.n
@@ -392,9 +395,10 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if kind in ("q4_k", "q5_k"):
         return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
                                        block_gemm.block_minima(m))
-    if interleaved:  # Q4_0 alone keeps no minima: w = d·(q − 8)
-        return block_gemm.BlockWeights("q4_0_r8" if only_q4_0 else "q4_1_r8", qs, d,
-                                       None if only_q4_0 else block_gemm.block_minima(m), n, k,
+    if interleaved:  # Q4_0 / Q5_0 alone keep no minima: w = d·(q − 8) / d·(q − 16)
+        plain = only_q4_0 or only_q5_0
+        name = ("q4_0_r8" if only_q4_0 else "q4_1_r8") if kind == "q4_1" else ("q5_0_r8" if only_q5_0 else "q5_1_r8")
+        return block_gemm.BlockWeights(name, qs, d, None if plain else block_gemm.block_minima(m), n, k, qh,
                                        count=torch.tensor([n], dtype=torch.int64))
     return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 

@@ -1248,19 +1248,28 @@ inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
   }
 }
 
-// Rows [0, TN) of `x` times the 8 outputs of one group: acc[t] lanes = outputs.
-template <bool MIN, int TN>
-inline void tile_r8(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, const int8_t* xq,
-                    const float* dx, const float* sx, const int32_t* xs, int64_t K, __m256* acc) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+// Rows [0, TN) of `x` times the 8 outputs of one group: acc[t] lanes = outputs. H5: Q5_0 / Q5_1, the
+// values' fifth bits in 32 bytes per block (`qh8`: byte 4r + k holds, at bit j, the fifth bit of value
+// 4j + k of output r, at bit 4 + j that of value 16 + 4j + k), ORed into run j's nibbles as bit 4.
+template <bool MIN, bool H5, int TN>
+inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t nb,
+                    const int8_t* xq, const float* dx, const float* sx, const int32_t* xs, int64_t K, __m256* acc) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
+  constexpr int32_t OFFSET = H5 ? 16 : 8;  // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16)
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
-    __m256i s[TN];
-    for (int t = 0; t < TN; ++t) s[t] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {  // |Σ| <= 8 · 2 · 15 · 127 < 2^15: the int16 sums cannot saturate
+    __m256i fifth = _mm256_setzero_si256();
+    if constexpr (H5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + b * 32));
+    __m256i s[TN], isum[TN];
+    for (int t = 0; t < TN; ++t) s[t] = isum[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {  // 4-bit: |Σ| <= 8·2·15·127 < 2^15 in int16; 5-bit: two runs at a time
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
-      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (H5) {  // bit j / 4 + j of each byte to bit 4 (the masks drop what crosses bytes)
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(fifth, 4 - j), bit4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(fifth, j), bit4));
+      }
       for (int t = 0; t < TN; ++t) {
         const int8_t* xb = xq + t * K + b * QK;
         int32_t a, c;
@@ -1269,24 +1278,31 @@ inline void tile_r8(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, i
         s[t] = _mm256_add_epi16(s[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
                                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c))));
       }
+      if (H5 && j == 1)  // |Σ| <= 4·2·31·127 < 2^15: into int32 before the next two runs
+        for (int t = 0; t < TN; ++t) isum[t] = _mm256_madd_epi16(s[t], ones), s[t] = _mm256_setzero_si256();
     }
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * 8)));
     __m256 m8 = _mm256_setzero_ps();
     if constexpr (MIN) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * 8)));
     for (int t = 0; t < TN; ++t) {
-      __m256i isum = _mm256_madd_epi16(s[t], ones);
-      if constexpr (!MIN) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xs[t * nb + b]));
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx[t * nb + b])), _mm256_cvtepi32_ps(isum), acc[t]);
+      __m256i sum = H5 ? _mm256_add_epi32(isum[t], _mm256_madd_epi16(s[t], ones)) : _mm256_madd_epi16(s[t], ones);
+      if constexpr (!MIN) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(OFFSET * xs[t * nb + b]));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx[t * nb + b])), _mm256_cvtepi32_ps(sum), acc[t]);
       if constexpr (MIN) acc[t] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[t * nb + b]), acc[t]);
     }
   }
 }
 
-// MIN: q4_1_r8 (m), else q4_0_r8. count: int64 [1] holding N (the last group may be padded).
-template <bool MIN>
-torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
-                      const torch::Tensor& count, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
-                      double eps, const std::optional<torch::Tensor>& residual) {
+enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1 };
+
+// L: the layout (q4_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m). count:
+// int64 [1] holding N (the last group may be padded).
+template <int L>
+torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
+                      const torch::Tensor& m, const torch::Tensor& count, int64_t mode_in,
+                      const std::optional<torch::Tensor>& norm_weight, double eps,
+                      const std::optional<torch::Tensor>& residual) {
+  constexpr bool MIN = L == R8_Q4_1 || L == R8_Q5_1, H5 = L == R8_Q5_0 || L == R8_Q5_1;
   const torch::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(), "activations must be a float32 CPU matrix [T, K]");
   TORCH_CHECK(mode_in >= PLAIN && mode_in <= SWIGLU, "prologue must be 0 (plain), 1 (rms_norm) or 2 (swiglu)");
@@ -1307,6 +1323,10 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
     TORCH_CHECK(m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() && m.size(0) == G &&
                     m.size(1) == nb && m.size(2) == 8,
                 "interleaved block minima m must be contiguous float16 [", G, ", ", nb, ", 8]");
+  if (H5)
+    TORCH_CHECK(qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() && qh.is_cpu() && qh.size(0) == G &&
+                    qh.size(1) == nb && qh.size(2) == 32,
+                "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
   torch::Tensor nw;
   if (mode == RMSNORM) {
     TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
@@ -1332,6 +1352,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = MIN ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  const uint8_t* wh = H5 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr;
   const int8_t* xq = buf.q.data();
   const float *dx = buf.d.data(), *sx = buf.s.data();
   const int32_t* xsp = xs.data();
@@ -1363,10 +1384,14 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
             for (int64_t off = 0; off < group_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(wd + (g + 2) * nb * 8), _MM_HINT_T0);
             if constexpr (MIN) _mm_prefetch(reinterpret_cast<const char*>(wm + (g + 2) * nb * 8), _MM_HINT_T0);
+            if constexpr (H5)
+              for (int64_t off = 0; off < nb * 32; off += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(wh + (g + 2) * nb * 32) + off, _MM_HINT_T0);
           }
           __m256 acc[TN];
-          tile_r8<MIN, TN>(wq + g * group_bytes, wd + g * nb * 8, MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K,
-                           dx + t * nb, sx + t * nb, MIN ? nullptr : xsp + t * nb, K, acc);
+          tile_r8<MIN, H5, TN>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * nb * 8,
+                               MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
+                               MIN ? nullptr : xsp + t * nb, K, acc);
           for (int i = 0; i < TN; ++i) store(g, t + i, acc[i]);
         }
       };
@@ -1421,13 +1446,26 @@ void interleave_r8(const torch::Tensor& qs, const torch::Tensor& d, const torch:
 torch::Tensor gemm_q4_0_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& count,
                            int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
                            const std::optional<torch::Tensor>& residual) {
-  return gemm_r8<false>(x, qs, d, d, count, prologue, norm_weight, eps, residual);
+  return gemm_r8<R8_Q4_0>(x, qs, qs, d, d, count, prologue, norm_weight, eps, residual);
 }
 
 torch::Tensor gemm_q4_1_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
                            const torch::Tensor& count, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
                            double eps, const std::optional<torch::Tensor>& residual) {
-  return gemm_r8<true>(x, qs, d, m, count, prologue, norm_weight, eps, residual);
+  return gemm_r8<R8_Q4_1>(x, qs, qs, d, m, count, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_q5_0_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
+                           const torch::Tensor& count, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
+                           double eps, const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<R8_Q5_0>(x, qs, qh, d, d, count, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_q5_1_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
+                           const torch::Tensor& m, const torch::Tensor& count, int64_t prologue,
+                           const std::optional<torch::Tensor>& norm_weight, double eps,
+                           const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<R8_Q5_1>(x, qs, qh, d, m, count, prologue, norm_weight, eps, residual);
 }
 
 torch::Tensor gemm_q4_1(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
@@ -1741,8 +1779,9 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   // Q4_0 / Q4_1 straight into the interleaved layout (qs uint8 [G, nb, 128], d fp16 [G, nb, 8]; m plain
   // [N, nb], its rows giving N)
   const bool r8 = qs.dim() == 3;
-  TORCH_CHECK(!r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1) && m.has_value() && m->dim() == 2),
-              "repack: only Q4_0 / Q4_1 blocks repack interleaved, with their minima m [N, K/32]");
+  const bool five = type == Stored::Q5_0 || type == Stored::Q5_1;
+  TORCH_CHECK(!r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
+              "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks repack interleaved, with their minima m [N, K/32]");
   const int64_t n = r8 ? m->size(0) : qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
   const int64_t* order_p = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; order_p != nullptr && i < r; ++i)
@@ -1769,11 +1808,18 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   uint8_t* qs_p = r8 ? qs.data_ptr<uint8_t>() : rows_of<uint8_t>(qs_opt, row0, "qs", n);
   uint16_t* d_p = r8 ? reinterpret_cast<uint16_t*>(d.data_ptr()) : rows_of<uint16_t>(d_opt, row0, "d", n);
   uint16_t* m_p = m.has_value() ? rows_of<uint16_t>(m, row0, "m", n) : nullptr;
-  uint32_t* qh_p = qh.has_value() ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
+  // interleaved fifth bits: uint8 [G, nb, 32] (`tile_r8`), zero where 4-bit parts share the run
+  if (r8 && qh.has_value())
+    TORCH_CHECK(qh->dim() == 3 && qh->scalar_type() == torch::kUInt8 && qh->is_contiguous() && qh->size(0) == groups &&
+                    qh->size(1) == nb && qh->size(2) == 32,
+                "repack: interleaved qh must be contiguous uint8 [", groups, ", ", nb, ", 32]");
+  TORCH_CHECK(!(r8 && five) || qh.has_value(), "repack: ", type_name, " needs qh");
+  uint8_t* qh8_p = r8 && qh.has_value() ? qh->data_ptr<uint8_t>() : nullptr;
+  uint32_t* qh_p = qh.has_value() && !r8 ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
   TORCH_CHECK(r8 || qs.numel() / n == (q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
   TORCH_CHECK(r8 || d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
   TORCH_CHECK(m_p != nullptr || q6 || q3 || q2k || xs || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
-  TORCH_CHECK(qh_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
+  TORCH_CHECK(qh_p != nullptr || qh8_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
               "repack: ", type_name, " needs qh");
   TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
   TORCH_CHECK(qh_p == nullptr || qh->numel() / n == nb, "repack: qh has the wrong width");
@@ -1804,13 +1850,23 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
       if (r8) {  // the row's blocks as q4_1 rows are laid out, then into output o's lanes of its group
         thread_local std::vector<uint8_t> row_qs;
         thread_local std::vector<uint16_t> row_d;
-        row_qs.resize(nb * 16), row_d.resize(nb);
-        local += repack_legacy_row(type, row, nb, row_qs.data(), row_d.data(), m_p + i * nb, nullptr);
+        thread_local std::vector<uint32_t> row_qh;
+        row_qs.resize(nb * 16), row_d.resize(nb), row_qh.resize(five ? nb : 0);
+        local += repack_legacy_row(type, row, nb, row_qs.data(), row_d.data(), m_p + i * nb, five ? row_qh.data() : nullptr);
+        if (five) arrange_high_bits_row(row_qh.data(), nb);  // back to GGUF's words (its own inverse)
         const int64_t o = row0 + i, g = o / 8, lane = o % 8;
         for (int64_t b = 0; b < nb; ++b) {
           uint8_t* out = qs_p + (g * nb + b) * R8_BLOCK_BYTES + 4 * lane;
           for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j, row_qs.data() + b * 16 + 4 * j, 4);
           d_p[(g * nb + b) * 8 + lane] = row_d[b];
+          if (five)  // byte 4·lane + k: bit j = value 4j + k's fifth bit, bit 4 + j = value 16 + 4j + k's
+            for (int k = 0; k < 4; ++k) {
+              uint8_t byte = 0;
+              for (int j = 0; j < 4; ++j)
+                byte |= static_cast<uint8_t>(((row_qh[b] >> (4 * j + k)) & 1u) << j |
+                                             ((row_qh[b] >> (16 + 4 * j + k)) & 1u) << (4 + j));
+              qh8_p[(g * nb + b) * 32 + 4 * lane + k] = byte;
+            }
         }
       } else if (legacy) {
         local += repack_legacy_row(type, row, nb, qs_p + i * nb * 16, d_p + i * nb,
@@ -1897,6 +1953,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("interleave_r8", &interleave_r8, "q4_1-layout qs uint8 [N, K/2], d fp16 [N, K/32] -> into qs8 uint8 "
         "[ceil(N/8), K/32, 128], d8 fp16 [ceil(N/8), K/32, 8] (8 outputs interleaved)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q5_0_r8", &gemm_q5_0_r8, "y [T, N] = x [T, K] float32 times Q5_0 weights, 8 outputs interleaved "
+        "(qs uint8 [ceil(N/8), K/32, 128] low 4 bits, qh uint8 [ceil(N/8), K/32, 32] fifth bits, d fp16 "
+        "[ceil(N/8), K/32, 8], count int64 [1]: N)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q5_1_r8", &gemm_q5_1_r8, "y [T, N] = x [T, K] float32 times Q5_1 weights, 8 outputs interleaved "
+        "(gemm_q5_0_r8's arrays and the minima m fp16 [ceil(N/8), K/32, 8])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q4_1_r8", &gemm_q4_1_r8, "y [T, N] = x [T, K] float32 times Q4_1 weights, 8 outputs interleaved "
         "(gemm_q4_0_r8's arrays and the minima m fp16 [ceil(N/8), K/32, 8])",

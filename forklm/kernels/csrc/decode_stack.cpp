@@ -26,8 +26,10 @@ struct BlockPart {
   torch::Tensor run(const torch::Tensor& x, Prologue mode, const std::optional<torch::Tensor>& norm, double eps,
                     const std::optional<torch::Tensor>& r) const {
     if (kind == "q4_1") return gemm<true>(x, a[0], a[1], a[2], mode, norm, eps, r);
-    if (kind == "q4_0_r8") return gemm_r8<false>(x, a[0], a[1], a[1], a[2], mode, norm, eps, r);
-    if (kind == "q4_1_r8") return gemm_r8<true>(x, a[0], a[1], a[2], a[3], mode, norm, eps, r);
+    if (kind == "q4_0_r8") return gemm_r8<R8_Q4_0>(x, a[0], a[0], a[1], a[1], a[2], mode, norm, eps, r);
+    if (kind == "q4_1_r8") return gemm_r8<R8_Q4_1>(x, a[0], a[0], a[1], a[2], a[3], mode, norm, eps, r);
+    if (kind == "q5_0_r8") return gemm_r8<R8_Q5_0>(x, a[0], a[1], a[2], a[2], a[3], mode, norm, eps, r);
+    if (kind == "q5_1_r8") return gemm_r8<R8_Q5_1>(x, a[0], a[1], a[2], a[3], a[4], mode, norm, eps, r);
     if (kind == "q5_1") return gemm<true, true>(x, a[0], a[2], a[3], mode, norm, eps, r, a[1]);
     if (kind == "q4_k") return gemm<true, false, true>(x, a[0], a[1], a[3], mode, norm, eps, r, torch::Tensor(), a[2], a[4]);
     if (kind == "q5_k") return gemm<true, true, true>(x, a[0], a[2], a[4], mode, norm, eps, r, a[1], a[3], a[5]);
@@ -44,7 +46,7 @@ struct BlockPart {
 // A part's output count: its arrays' rows, but for the interleaved layouts (rows are groups of 8
 // outputs there) the count they carry.
 int64_t part_outputs(const BlockPart& p) {
-  if (p.kind == "q4_0_r8" || p.kind == "q4_1_r8") return *p.a.back().data_ptr<int64_t>();
+  if (p.kind.size() > 3 && p.kind.compare(p.kind.size() - 3, 3, "_r8") == 0) return *p.a.back().data_ptr<int64_t>();
   return p.a[0].size(0);
 }
 
@@ -86,7 +88,7 @@ class DecodeStack {
     const size_t L = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * L && kinds.size() == 4 * L && arrays.size() == 4 * L,
                 "a decode stack needs 2 norms and 4 block matrices per layer");
-    const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q4_0_r8", 3}, {"q4_1_r8", 4}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q6_k", 4}, {"q3_k", 4}, {"q2_k", 3}, {"q8_0", 2}, {"q8_0_stored", 2}, {"iq4_nl", 2}, {"iq4_xs", 3}};
+    const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q4_0_r8", 3}, {"q4_1_r8", 4}, {"q5_0_r8", 4}, {"q5_1_r8", 5}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q6_k", 4}, {"q3_k", 4}, {"q2_k", 3}, {"q8_0", 2}, {"q8_0_stored", 2}, {"iq4_nl", 2}, {"iq4_xs", 3}};
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == L, "one q/k/v bias (or None) per layer, or none at all");
     std::vector<BlockMatrix> matrices(4 * L);
     for (size_t i = 0; i < 4 * L; ++i) {
