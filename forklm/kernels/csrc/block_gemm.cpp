@@ -15,6 +15,8 @@
 //         per 16 values (the file's 6-bit scale − 32) under a float16 ds per 256
 //   Q2_K  w = ds·sc·q − dmin·mn, q in 0..3 (the file's 2-bit fields as stored), sc and mn 4 bits each
 //         per 16 values (the file's byte), ds and dmin float16 per 256
+//   (Q4_0 / Q4_1 / Q5_0 / Q5_1 files run these values in an 8-output interleaved layout, `gemm_r8`;
+//   the plain Q4_1 / Q5_1 layouts above serve the tests and older-build comparisons)
 //   Q8_0  w = d·q, q int8
 //   IQ4_NL w = d·t[q], q in 0..15 (Q4_1's nibbles), t ggml's 16 non-linear int8 levels (`tile` with NL)
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
@@ -1224,10 +1226,11 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   return y;
 }
 
-// ----------------------------------------------------------------------------- 4-bit blocks, 8 outputs interleaved
-// Q4_0 / Q4_1 weights repacked once at load with the blocks of 8 outputs side by side (`q4_0_r8`,
-// `q4_1_r8`, the row-interleaved idea of llama.cpp's repacked Q4_0 and ik_llama.cpp's `_r8` types;
-// this layout and its arithmetic are forklm's own):
+// ----------------------------------------------------------------------------- 4- and 5-bit blocks, 8 outputs interleaved
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 weights (what GGUF files and `quantize="int4"` load as) repacked once at load
+// with the blocks of 8 outputs side by side (`q4_0_r8`, `q4_1_r8`, `q5_0_r8`, `q5_1_r8`: the
+// row-interleaved idea of llama.cpp's repacked Q4_0 and ik_llama.cpp's `_r8` types; this layout and its
+// arithmetic are forklm's own; Q5's fifth bits: `tile_r8`):
 //   qs uint8 [G, nb, 128]  G = ⌈N/8⌉ groups of 8 outputs; for group g and block b, 4 runs of 32 bytes:
 //                          run j holds bytes 4j..4j+3 of each output's 16 (output 8g + r at 4r), i.e.
 //                          in their low nibbles values 4j..4j+3, in their high nibbles 16+4j..16+4j+3
