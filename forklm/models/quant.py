@@ -323,10 +323,11 @@ def block_kernel_kind(type_names) -> str | None:
 def stored_block_weights(parts: list[GGMLWeights]):
     """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`,
     `block_gemm.BlockWeights`), repacked from the stored bytes in one C++ pass (`repack_rows`): every
-    value as stored. Q4_0 / Q4_1 keep GGUF's nibbles (value j in the low nibble of byte j, value j + 16
-    in the high one), 8 outputs interleaved (`block_gemm.interleave_r8`); Q4_0 beside Q4_1 parts becomes
-    Q4_1 with minimum −8d and Q5_0 Q5_1 with minimum −16d (exact; ValueError where the minimum overflows
-    float16); Q4_K / Q5_K values take Q4_1's nibble order
+    value as stored. Q4_0 / Q4_1 / Q5_0 / Q5_1 keep GGUF's nibbles (value j in the low nibble of byte j,
+    value j + 16 in the high one) and fifth bits, 8 outputs interleaved (`block_gemm.interleave_r8`'s
+    layouts, written directly by the pass); Q4_0 / Q5_0 alone keep no minima (−8d / −16d applied in
+    integers), beside Q4_1 / Q5_1 parts they take minimum −8d / −16d (exact; ValueError where the minimum
+    overflows float16); Q4_K / Q5_K values take Q4_1's nibble order
     with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
     5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
