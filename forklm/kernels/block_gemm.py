@@ -220,7 +220,7 @@ class BlockWeights:
     dm: torch.Tensor | None = None  # q4_k / q5_k only
     q2: torch.Tensor | None = None  # q6_k / q3_k only
     stored: tuple[torch.Tensor, ...] = ()  # q8_0_stored only: the stored rows qs points into
-    count: torch.Tensor | None = None  # q4_0_r8 / q4_1_r8 only: int64 [1] holding N
+    count: torch.Tensor | None = None  # the interleaved layouts (R8_KINDS) only: int64 [1] holding N
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -282,18 +282,12 @@ class BlockWeights:
 
     def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own."""
-        if self.kind in ("q5_0_r8", "q5_1_r8"):  # the groups that hold them, as plain q5_1 blocks
+        if self.kind in R8_KINDS:  # only the groups that hold them are read (an embedding lookup)
             groups, local = torch.unique(ids // 8, return_inverse=True)
             pick = lambda t: None if t is None else t.index_select(0, groups)
             sub = BlockWeights(self.kind, pick(self.qs), pick(self.d), pick(self.m), 8 * int(groups.numel()), self.k,
                                pick(self.qh))
-            return deinterleave_r8(sub).rows(local * 8 + ids % 8)
-        if self.kind in R8_KINDS:  # only the groups that hold them are read (an embedding lookup)
-            nb, group, lane = self.k // BLOCK, ids // 8, ids % 8
-            qs = self.qs.view(-1, nb, 4, 8, 4)[group, :, :, lane, :].reshape(-1, nb * 16)  # [R, nb, 4, 4]
-            m = None if self.m is None else block_minima(self.m[group, :, lane])
-            return interleave_r8(BlockWeights("q4_1", qs, self.d[group, :, lane], m, int(ids.numel()), self.k),
-                                 minima=self.m is not None)
+            return interleave_r8(deinterleave_r8(sub).rows(local * 8 + ids % 8), minima=self.m is not None)
         pick = lambda t: None if t is None else t.index_select(0, ids)
         regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
         d = self.d if self.kind == "q8_0_stored" else pick(self.d)  # stored Q8_0: d is the width
@@ -430,29 +424,25 @@ def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
         four = interleave_r8(BlockWeights("q4_1", w.qs, w.d, w.m, n, w.k), minima)
         return BlockWeights("q5_1_r8" if minima else "q5_0_r8", four.qs, four.d, four.m, n, w.k,
                             qh=_fifth_bit_bytes(w.qh), count=four.count)
-    if available():  # one C++ pass (a file's load)
-        qs, d = torch.empty(groups, nb, 128, dtype=torch.uint8), torch.empty(groups, nb, 8, dtype=torch.float16)
-        _extension().interleave_r8(w.qs.contiguous(), w.d.contiguous(), qs, d)
-    else:  # the same bytes with PyTorch's operators
-        qs = torch.zeros(groups * 8, nb, 16, dtype=torch.uint8)
-        qs[:n] = w.qs.view(n, nb, 16)
-        # [G, 8 outputs, nb, 4 runs, 4 bytes] -> [G, nb, run, output, byte]
-        qs = qs.view(groups, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
-        d = torch.zeros(groups * 8, nb, dtype=torch.float16)
-        d[:n] = w.d
-        d = d.view(groups, 8, nb).transpose(1, 2).contiguous()
+    # (a file's blocks are written in this layout by the repack's C++ pass: this is `quantize="int4"`'s way)
+    qs = torch.zeros(groups * 8, nb, 16, dtype=torch.uint8)
+    qs[:n] = w.qs.view(n, nb, 16)
+    # [G, 8 outputs, nb, 4 runs, 4 bytes] -> [G, nb, run, output, byte]
+    qs = qs.view(groups, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128).contiguous()
+    d = block_minima(w.d)  # [G, nb, 8], as the minima are grouped
     return BlockWeights("q4_1_r8" if minima else "q4_0_r8", qs, d, w.m if minima else None, n, w.k,
                         count=torch.tensor([n], dtype=torch.int64))
 
 
 def deinterleave_r8(w: BlockWeights) -> BlockWeights:
-    """The inverse of `interleave_r8` (q4_0_r8: minima −8d, exact in float16 where d is normal)."""
+    """The inverse of `interleave_r8`, as plain q4_1 / q5_1 blocks (q4_0_r8 / q5_0_r8: minima −8d / −16d in
+    float16, which `unpack` forms in float32 instead)."""
     n, nb = w.n, w.k // BLOCK
     groups = w.qs.shape[0]
     qs = w.qs.view(groups, nb, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, nb * 16)[:n].contiguous()
-    d = w.d.transpose(1, 2).reshape(groups * 8, nb)[:n].contiguous()
+    d = unblock_minima(w.d, n).contiguous()
     five = w.qh is not None
-    m = w.m if w.m is not None else block_minima((-(16 if five else 8) * d.float()).half())  # (`unpack` forms −8d / −16d in float32)
+    m = w.m if w.m is not None else block_minima((-(16 if five else 8) * d.float()).half())
     if five:
         return BlockWeights("q5_1", qs, d, m, n, w.k, _fifth_bit_words(w.qh, n))
     return BlockWeights("q4_1", qs, d, m, n, w.k)

@@ -1004,6 +1004,43 @@ constexpr int64_t cmax(int64_t a, int64_t b) { return a > b ? a : b; }
 // floats of scratch per block that `tile` needs (TO·(TN + 1)) for the largest tile `gemm` runs
 constexpr int64_t SCRATCH_PER_BLOCK = cmax(cmax(ROW_TILE_OUTS * 5, 1 * 2), cmax(2 * 4, 4 * 3));
 
+// A product call's activations and fusions, checked alike for every layout: x [T, K] (SWIGLU: [T, 2K])
+// float32, the prologue, its RMSNorm weight [K], and (`checked_residual`) the residual [T, N].
+struct ProductInput {
+  torch::Tensor x, norm;  // norm: defined for RMSNORM only
+  Prologue mode;
+  int64_t T, K, nb;
+  const float* norm_data() const { return mode == RMSNORM ? norm.data_ptr<float>() : nullptr; }
+};
+
+ProductInput product_input(const torch::Tensor& x_in, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight) {
+  ProductInput in;
+  in.x = x_in.contiguous();
+  const torch::Tensor& x = in.x;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(), "activations must be a float32 CPU matrix [T, K]");
+  TORCH_CHECK(mode_in >= PLAIN && mode_in <= SWIGLU, "prologue must be 0 (plain), 1 (rms_norm) or 2 (swiglu)");
+  in.mode = static_cast<Prologue>(mode_in);
+  TORCH_CHECK(in.mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
+  in.T = x.size(0), in.K = in.mode == SWIGLU ? x.size(1) / 2 : x.size(1), in.nb = in.K / QK;
+  TORCH_CHECK(in.K % QK == 0, "K must be a multiple of 32, got ", in.K);
+  if (in.mode == RMSNORM) {
+    TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
+    in.norm = norm_weight->contiguous();
+    TORCH_CHECK(in.norm.scalar_type() == torch::kFloat32 && in.norm.is_cpu() && in.norm.numel() == in.K,
+                "rms_norm weight must be float32 [", in.K, "]");
+  }
+  return in;
+}
+
+// The residual [T, n] float32 a product adds (undefined where none is given).
+torch::Tensor checked_residual(const std::optional<torch::Tensor>& residual, int64_t T, int64_t n) {
+  if (!residual.has_value()) return torch::Tensor();
+  torch::Tensor res = residual->contiguous();
+  TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.is_cpu() && res.dim() == 2 && res.size(0) == T && res.size(1) == n,
+              "residual must be float32 [", T, ", ", n, "]");
+  return res;
+}
+
 // Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm);
 // S16: a layout with a scale per 16 values (`Sub16`): Q6_K (qs, q2 passed as qh, d: ds, sc), Q3_K
 // (qs: the 2-bit plane, qh: the third bits, d: ds, sc), Q2_K (qs: the 2-bit plane, d: ds and dmin, sc);
@@ -1018,14 +1055,10 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   static_assert(S16 == NO_SUB16 || (!Q41 && !H5 && !KS), "scales per 16 values are layouts of their own");
   constexpr bool S6 = S16 == SUB16_Q6, S3 = S16 == SUB16_Q3, S2 = S16 == SUB16_Q2, SX = S16 == SUB16_IQ4XS,
                  SUB = S16 != NO_SUB16;
-  const torch::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(),
-              "activations must be a float32 CPU matrix [T, K]");
-  TORCH_CHECK(mode_in >= PLAIN && mode_in <= SWIGLU, "prologue must be 0 (plain), 1 (rms_norm) or 2 (swiglu)");
-  const Prologue mode = static_cast<Prologue>(mode_in);
-  const int64_t T = x.size(0), K = mode == SWIGLU ? x.size(1) / 2 : x.size(1), nb = K / QK, n = qs.size(0);
-  TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  const ProductInput in = product_input(x_in, mode_in, norm_weight);
+  const torch::Tensor& x = in.x;
+  const Prologue mode = in.mode;
+  const int64_t T = in.T, K = in.K, nb = in.nb, n = qs.size(0);
   static_assert(!NL || (!Q41 && S16 == NO_SUB16), "IQ4_NL is a layout of its own");
   static_assert(!ST || (!Q41 && !NL && S16 == NO_SUB16), "stored Q8_0 is a layout of its own");
   const int64_t row_bytes = Q41 || S6 || NL || SX ? nb * 16 : S3 || S2 ? nb * 8 : K;
@@ -1086,18 +1119,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
     TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kInt32 && qh.is_contiguous() && qh.is_cpu() &&
                     qh.size(0) == n && qh.size(1) == nb,
                 "fifth bits qh must be contiguous int32 [N, K/32]");
-  torch::Tensor nw;
-  if (mode == RMSNORM) {
-    TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
-    nw = norm_weight->contiguous();
-    TORCH_CHECK(nw.scalar_type() == torch::kFloat32 && nw.is_cpu() && nw.numel() == K, "rms_norm weight must be float32 [", K, "]");
-  }
-  torch::Tensor res;
-  if (residual.has_value()) {
-    res = residual->contiguous();
-    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.is_cpu() && res.dim() == 2 && res.size(0) == T && res.size(1) == n,
-                "residual must be float32 [", T, ", ", n, "]");
-  }
+  const torch::Tensor res = checked_residual(residual, T, n);
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
   thread_local CallBuffers buf;
@@ -1106,7 +1128,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const int64_t nbq = super_blocks ? K / QKK : nb;  // the activations' scales per row
   buf.q.resize(T * K), buf.d.resize(T * nbq), buf.s.resize(super_blocks ? 0 : T * nbq);
   buf.sums.resize(super_blocks ? T * (K / 16) : 0);
-  quantize_rows_into(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr, static_cast<float>(eps),
+  quantize_rows_into(x, K, mode, in.norm_data(), static_cast<float>(eps),
                      super_blocks, buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
   Weights w_all{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                 Q41 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr, nb, row_bytes,
@@ -1306,13 +1328,10 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
                       const std::optional<torch::Tensor>& norm_weight, double eps,
                       const std::optional<torch::Tensor>& residual) {
   constexpr bool MIN = L == R8_Q4_1 || L == R8_Q5_1, H5 = L == R8_Q5_0 || L == R8_Q5_1;
-  const torch::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_cpu(), "activations must be a float32 CPU matrix [T, K]");
-  TORCH_CHECK(mode_in >= PLAIN && mode_in <= SWIGLU, "prologue must be 0 (plain), 1 (rms_norm) or 2 (swiglu)");
-  const Prologue mode = static_cast<Prologue>(mode_in);
-  TORCH_CHECK(mode != SWIGLU || x.size(1) % 2 == 0, "swiglu needs [gate | up] rows of even width, got ", x.size(1));
-  const int64_t T = x.size(0), K = mode == SWIGLU ? x.size(1) / 2 : x.size(1), nb = K / QK;
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  const ProductInput in = product_input(x_in, mode_in, norm_weight);
+  const torch::Tensor& x = in.x;
+  const Prologue mode = in.mode;
+  const int64_t T = in.T, K = in.K, nb = in.nb;
   TORCH_CHECK(count.dim() == 1 && count.numel() == 1 && count.scalar_type() == torch::kInt64 && count.is_cpu(),
               "interleaved weights need their output count N as a one-element int64 tensor");
   const int64_t n = *count.data_ptr<int64_t>(), G = (n + 7) / 8;
@@ -1330,24 +1349,13 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
     TORCH_CHECK(qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() && qh.is_cpu() && qh.size(0) == G &&
                     qh.size(1) == nb && qh.size(2) == 32,
                 "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
-  torch::Tensor nw;
-  if (mode == RMSNORM) {
-    TORCH_CHECK(norm_weight.has_value(), "rms_norm prologue needs its weight");
-    nw = norm_weight->contiguous();
-    TORCH_CHECK(nw.scalar_type() == torch::kFloat32 && nw.is_cpu() && nw.numel() == K, "rms_norm weight must be float32 [", K, "]");
-  }
-  torch::Tensor res;
-  if (residual.has_value()) {
-    res = residual->contiguous();
-    TORCH_CHECK(res.scalar_type() == torch::kFloat32 && res.is_cpu() && res.dim() == 2 && res.size(0) == T && res.size(1) == n,
-                "residual must be float32 [", T, ", ", n, "]");
-  }
+  const torch::Tensor res = checked_residual(residual, T, n);
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
   thread_local CallBuffers buf;
   const ReleaseLargeBuffers release{buf};
   buf.q.resize(T * K), buf.d.resize(T * nb), buf.s.resize(T * nb), buf.sums.resize(0);
-  quantize_rows_into(x, K, mode, mode == RMSNORM ? nw.data_ptr<float>() : nullptr, static_cast<float>(eps), false,
+  quantize_rows_into(x, K, mode, in.norm_data(), static_cast<float>(eps), false,
                      buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
   std::vector<int32_t>& xs = buf.block_sums;
   xs.resize(MIN ? 0 : T * nb);
@@ -1409,41 +1417,6 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
     }
   });
   return y;
-}
-
-// q4_1-layout values and scales (qs uint8 [N, nb·16], d fp16 [N, nb]) -> the interleaved layout
-// (qs8 uint8 [G, nb, 128], d8 fp16 [G, nb, 8]; the last group's missing outputs zero), one pass.
-void interleave_r8(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& qs8, const torch::Tensor& d8) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.size(1) % 16 == 0,
-              "interleave: qs must be contiguous uint8 [N, K/2]");
-  const int64_t n = qs.size(0), nb = qs.size(1) / 16, G = (n + 7) / 8;
-  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.size(0) == n && d.size(1) == nb,
-              "interleave: d must be contiguous float16 [N, K/32]");
-  TORCH_CHECK(qs8.scalar_type() == torch::kUInt8 && qs8.is_contiguous() && qs8.numel() == G * nb * R8_BLOCK_BYTES &&
-                  d8.scalar_type() == torch::kFloat16 && d8.is_contiguous() && d8.numel() == G * nb * 8,
-              "interleave: outputs must be contiguous uint8 [G, nb, 128] and float16 [G, nb, 8]");
-  const uint8_t* src = qs.data_ptr<uint8_t>();
-  const uint16_t* dsrc = reinterpret_cast<const uint16_t*>(d.data_ptr());
-  uint8_t* dst = qs8.data_ptr<uint8_t>();
-  uint16_t* ddst = reinterpret_cast<uint16_t*>(d8.data_ptr());
-  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* out = dst + (g * nb + b) * R8_BLOCK_BYTES;
-        uint16_t* dout = ddst + (g * nb + b) * 8;
-        for (int64_t r = 0; r < 8; ++r) {
-          const int64_t o = g * 8 + r;
-          if (o >= n) {
-            for (int j = 0; j < 4; ++j) std::memset(out + 32 * j + 4 * r, 0, 4);
-            dout[r] = 0;
-            continue;
-          }
-          const uint8_t* in = src + (o * nb + b) * 16;
-          for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j + 4 * r, in + 4 * j, 4);
-          dout[r] = dsrc[o * nb + b];
-        }
-      }
-  });
 }
 
 torch::Tensor gemm_q4_0_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& count,
@@ -1953,9 +1926,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q4_0_r8", &gemm_q4_0_r8, "y [T, N] = x [T, K] float32 times Q4_0 weights, 8 outputs interleaved "
         "(qs uint8 [ceil(N/8), K/32, 128], d fp16 [ceil(N/8), K/32, 8], count int64 [1]: N)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("interleave_r8", &interleave_r8, "q4_1-layout qs uint8 [N, K/2], d fp16 [N, K/32] -> into qs8 uint8 "
-        "[ceil(N/8), K/32, 128], d8 fp16 [ceil(N/8), K/32, 8] (8 outputs interleaved)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q5_0_r8", &gemm_q5_0_r8, "y [T, N] = x [T, K] float32 times Q5_0 weights, 8 outputs interleaved "
         "(qs uint8 [ceil(N/8), K/32, 128] low 4 bits, qh uint8 [ceil(N/8), K/32, 32] fifth bits, d fp16 "

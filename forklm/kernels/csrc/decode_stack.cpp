@@ -22,6 +22,7 @@ namespace {
 struct BlockPart {
   std::string kind;
   std::vector<torch::Tensor> a;
+  int64_t outputs = 0;  // its output columns (`part_outputs`, set once when the stack is built)
 
   torch::Tensor run(const torch::Tensor& x, Prologue mode, const std::optional<torch::Tensor>& norm, double eps,
                     const std::optional<torch::Tensor>& r) const {
@@ -61,7 +62,7 @@ struct BlockMatrix {
     std::vector<torch::Tensor> outs;
     int64_t first = 0;
     for (const BlockPart& p : parts) {
-      const int64_t width = part_outputs(p);
+      const int64_t width = p.outputs;
       std::optional<torch::Tensor> rp;
       if (r.has_value()) rp = r->narrow(1, first, width);
       outs.push_back(p.run(x, mode, norm, eps, rp));
@@ -98,8 +99,10 @@ class DecodeStack {
         const auto it = arity.find(kinds[i][j]);
         TORCH_CHECK(it != arity.end(), "matrix ", i, ": unknown block layout ", kinds[i][j]);
         TORCH_CHECK(arrays[i][j].size() == it->second, "matrix ", i, ": ", kinds[i][j], " takes ", it->second, " arrays");
-        matrices[i].parts.push_back(BlockPart{kinds[i][j], arrays[i][j]});
-        rows += part_outputs(matrices[i].parts.back());
+        BlockPart part{kinds[i][j], arrays[i][j]};
+        part.outputs = part_outputs(part);
+        rows += part.outputs;
+        matrices[i].parts.push_back(std::move(part));
       }
       if (i % 4 == 0) TORCH_CHECK(qkv_bias.empty() || !qkv_bias[i / 4].has_value() || qkv_bias[i / 4]->size(0) == rows,
                                   "layer ", i / 4, "'s q/k/v bias must be float32 [", rows, "]");
