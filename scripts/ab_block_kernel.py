@@ -8,8 +8,9 @@ on CPUs with AVX512-VNNI, the VNNI build of each), loads the default model and r
 products of one decode step (30 layers x q/k/v, o, gate/up, down, and the Q8_0 LM head, each on its
 own random activations of `rows` rows) through every build, rounds interleaved; minimum and median
 of the step's products per build. Checks that this tree's builds agree bit for bit and stay within
-1e-5 of `gemm_reference`. A commit from before the Q4_1 minima's grouped layout (session 17) gets
-them as [N, K/32]. Run it alone (`flock /tmp/forklm_bench.lock ...`).
+1e-5 of `gemm_reference`. A commit from before the Q4_1 minima's grouped layout gets them as
+[N, K/32]; one from before an interleaved layout runs those blocks as it loaded them (Q8_0 read as the
+file stores it where the build has that, else the plain layouts). Run it alone (`flock /tmp/forklm_bench.lock ...`).
 """
 
 from __future__ import annotations
@@ -63,8 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     copied = {id(b): bg.pack_q8_0(*b.unpack()[:2]) for b in mats if b.kind == "q8_0_stored"}
     # a build from before the interleaved 4-bit layouts runs those blocks in the plain q4_1 layout
     plain = {id(b): bg.deinterleave_r8(b) for b in mats if b.kind in getattr(bg, "R8_KINDS", ())}
-    flat_plain = {i: bg.unblock_minima(p.m, p.n).contiguous() for i, p in plain.items()}
-    q4 = next((b for b in mats if b.kind == "q4_1"), next(iter(plain.values()), None))
+    flat_plain = {i: bg.unblock_minima(p.m, p.n).contiguous() for i, p in plain.items() if p.m is not None}
+
+    def as_stored(b):  # Q8_0 blocks as the file stores them (what a build from before q8_0_r8 read in place)
+        q, d = b.qs, b.d
+        raw = torch.cat([d.contiguous().view(torch.uint8).view(b.n, -1, 2), q.view(torch.uint8).view(b.n, -1, 32)], -1)
+        return bg.stored_q8_0([(raw.view(b.n, -1).contiguous(), None)], b.k)
+
+    stored = {i: as_stored(p) for i, p in plain.items() if p.kind == "q8_0"}
+    q4 = next((b for b in mats if b.kind == "q4_1"), next((p for p in plain.values() if p.kind == "q4_1"), None))
     for name, (ext, old) in builds.items():  # which minima layout each build takes
         try:
             if q4 is not None:
@@ -76,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     def product(ext, flat_layout, b, flat, x):
         if b.kind == "q8_0_stored" and not hasattr(ext, "gemm_q8_0_stored"):
             b = copied[id(b)]
-        if id(b) in plain and not hasattr(ext, f"gemm_{b.kind}"):
-            b, flat = plain[id(b)], flat_plain[id(b)]
+        if id(b) in stored and not hasattr(ext, f"gemm_{b.kind}") and hasattr(ext, "gemm_q8_0_stored"):
+            b = stored[id(b)]
+        elif id(b) in plain and not hasattr(ext, f"gemm_{b.kind}"):
+            b, flat = plain[id(b)], flat_plain.get(id(b))
         if b.kind == "q4_1" and flat_layout:
             return ext.gemm_q4_1(x, b.qs, b.d, flat, 0, None, 0.0, None)
         return getattr(ext, f"gemm_{b.kind}")(x, *b.kernel_arrays(), 0, None, 0.0, None)

@@ -64,10 +64,11 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     scales and minima per 16)."""
     if kind == "q8_0_stored":
         return random_stored_q8_0(n, k, seed)
-    if kind == "iq4_nl":
+    if kind in ("iq4_nl", "iq4_nl_r8"):
         g = torch.Generator().manual_seed(seed)
         d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
-        return bg.pack_iq4_nl(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), d)
+        w = bg.pack_iq4_nl(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), d)
+        return bg.interleave_r8(w) if kind == "iq4_nl_r8" else w
     if kind not in K_KINDS:
         return block_weights_of(kind, random_blocks(kind, n, k, seed))
     g = torch.Generator().manual_seed(seed)
@@ -97,7 +98,8 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_stored", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs"]
+KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_r8", "q8_0_stored", "q4_k", "q5_k", "q6_k",
+         "q3_k", "q2_k", "iq4_nl", "iq4_nl_r8", "iq4_xs"]
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
@@ -118,11 +120,13 @@ def test_k_quant_gemm_matches_reference(kind, t, n, k):
         assert torch.equal(d, w.d.float().repeat_interleave(d.shape[1] // w.d.shape[1], 1) * w.sc.float())
 
 
+@pytest.mark.parametrize("kind", ["iq4_nl", "iq4_nl_r8"])
 @pytest.mark.parametrize("t, n, k", [(1, 64, 64), (2, 7, 32), (3, 97, 576), (4, 130, 96), (5, 3, 1536),
-                                     (9, 70, 160), (33, 65, 576), (1, 1, 32)])
-def test_iq4_nl_gemm_matches_reference(t, n, k):
-    """IQ4_NL: ggml's 16 levels looked up from the nibbles, then Q8_0's product."""
-    w = random_weights("iq4_nl", n, k, seed=t * 1000 + n + k)
+                                     (9, 70, 160), (33, 65, 576), (1, 1, 32), (6, 17, 96)])
+def test_iq4_nl_gemm_matches_reference(kind, t, n, k):
+    """IQ4_NL: ggml's 16 levels looked up from the nibbles, then Q8_0's product (interleaved: the
+    nibbles as Q4_0's, 8 outputs to a block)."""
+    w = random_weights(kind, n, k, seed=t * 1000 + n + k)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(n)) * torch.rand(t, 1) * 4
     y = bg.gemm(x, w)
     assert rel_err(y, bg.gemm_reference(x, w)) < 1e-5
@@ -144,12 +148,14 @@ def block_weights_of(kind: str, b: BlockQuantized) -> bg.BlockWeights:
         return bg.pack_q4_1(b.q, b.d, b.m)
     if kind == "q4_0_r8":
         return bg.pack_q4_0_r8(b.q, b.d)
+    if kind == "q8_0":  # the plain layout; files and quantize="int8" load interleaved (q8_0_r8)
+        return bg.pack_q8_0(b.q, b.d)
     if kind in ("q5_1_r8", "q5_0_r8"):
         return bg.interleave_r8(bg.pack_q5_1(b.q, b.d, b.m), minima=kind == "q5_1_r8")
     return b.to_block_weights()
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1", "q5_1_r8", "q5_0_r8", "q8_0", "q8_0_stored"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1", "q5_1_r8", "q5_0_r8", "q8_0", "q8_0_r8", "q8_0_stored"])
 @pytest.mark.parametrize("t, n, k", [(1, 64, 64), (2, 7, 32), (3, 97, 576), (4, 130, 96), (5, 3, 1536),
                                      (9, 70, 160), (33, 65, 576), (1, 1, 32), (6, 8, 64), (7, 17, 96)])
 def test_gemm_matches_reference(kind, t, n, k):
@@ -295,8 +301,54 @@ def test_interleaved_blocks_keep_the_values_and_their_rows():
         assert torch.equal(w5.dequantize(), b5.dequantize())
         assert torch.equal(w5.rows(ids).dequantize(), b5.dequantize()[ids])
         assert torch.equal(bg.deinterleave_r8(w5).qh, bg.pack_q5_1(b5.q, b5.d, b5.m).qh)
-    with pytest.raises(ValueError, match="only q4_1 / q5_1 blocks"):
-        bg.interleave_r8(random_weights("q8_0", 8, 32, seed=1))
+    with pytest.raises(ValueError, match="only q4_1 / q5_1 / q8_0 / iq4_nl blocks"):
+        bg.interleave_r8(random_weights("q4_k", 8, 256, seed=1))
+
+
+def test_interleaved_signed_blocks_keep_the_values_and_their_rows():
+    """q8_0_r8 / iq4_nl_r8 hold the plain layouts' values (−128 included), row lookups too, for output
+    counts that leave the last group of 8 short, and GGUF Q8_0 / IQ4_NL bytes repack straight into them
+    (a permuted row order gathered in the pass)."""
+    for n in (1, 7, 8, 21):
+        b = random_blocks("q8_0", n, 96, seed=n)
+        w = b.to_block_weights()
+        assert w.kind == "q8_0_r8" and w.qs.shape == ((n + 7) // 8, 3, 256) and w.qs.dtype == torch.int8
+        assert torch.equal(w.dequantize(), b.dequantize()) and torch.equal(bg.deinterleave_r8(w).qs, b.q)
+        ids = torch.tensor([n - 1, 0, n // 2])
+        assert torch.equal(w.rows(ids).dequantize(), b.dequantize()[ids])
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(n))
+        raw = stored_q8_0_bytes(b.q, b.d)[order].contiguous()  # stored row i holds output order[i]
+        qs, d = torch.zeros_like(w.qs), torch.zeros_like(w.d)  # (the caller zeroes a short last group)
+        bg.repack_rows("Q8_0", raw, 0, qs, d, order=torch.argsort(order), outputs=n)
+        assert torch.equal(qs, w.qs) and torch.equal(d, w.d)
+        nl = random_weights("iq4_nl", n, 96, seed=n)
+        r8 = bg.interleave_r8(nl)
+        assert r8.kind == "iq4_nl_r8" and r8.qs.shape == ((n + 7) // 8, 3, 128)
+        assert torch.equal(r8.dequantize(), nl.dequantize()) and torch.equal(bg.deinterleave_r8(r8).qs, nl.qs)
+        assert torch.equal(r8.rows(ids).dequantize(), nl.dequantize()[ids])
+        stored = torch.cat([nl.d.view(torch.uint8).view(n, 3, 2), nl.qs.view(n, 3, 16)], -1).view(n, 54).contiguous()
+        qs, d = torch.zeros_like(r8.qs), torch.zeros_like(r8.d)
+        bg.repack_rows("IQ4_NL", stored, 0, qs, d, outputs=n)
+        assert torch.equal(qs, r8.qs) and torch.equal(d, r8.d)
+    with pytest.raises(RuntimeError, match="interleaved only"):
+        bg.repack_rows("Q8_0", stored_q8_0_bytes(b.q, b.d), 0, torch.empty(21, 96, dtype=torch.int8),
+                       torch.empty(21, 3, dtype=torch.float16))
+
+
+def test_signed_integer_sums_do_not_overflow_at_the_extremes():
+    """Interleaved Q8_0: weights at −128 / 127 against activations at ±127 put each int16 pair of byte
+    products at its largest (2 · 128 · 127 = 32512): no saturation; IQ4_NL's levels at −127 / 113."""
+    n, k = 19, 256
+    d = torch.full((n, k // 32), 1e-3).half().float()
+    for value in (-128, 127, 0):
+        w = bg.pack_q8_0_r8(torch.full((n, k), value, dtype=torch.int8), d)
+        nl = bg.interleave_r8(bg.pack_iq4_nl(torch.full((n, k), 0 if value < 0 else 15, dtype=torch.uint8), d))
+        for ww in (w, nl):
+            x = torch.where(torch.rand(3, k) < 0.5, -1.0, 1.0) * 5.0
+            x[0] = 5.0  # all +127
+            x[1] = -5.0  # all −127
+            y = bg.gemm(x, ww)
+            assert torch.equal(y, bg.gemm_reference(x, ww)) or rel_err(y, bg.gemm_reference(x, ww)) < 1e-6
 
 
 def test_block_weights_round_trip_the_gguf_values():
@@ -406,7 +458,7 @@ def test_default_model_runs_its_gguf_blocks_on_the_kernel(smollm2_gguf, smollm2_
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
     m, ref = llm.model, smollm2_f32.model
     assert llm.backend.block_kernel and backend.block_kernel_available()
-    assert m.layers[0]["qkv"].kind == "q4_1_r8" and m.lm_head.kind == "q8_0_stored"  # read in the mapped file
+    assert m.layers[0]["qkv"].kind == "q4_1_r8" and m.lm_head.kind == "q8_0_r8"
     assert m.embed is None and m.lm_head.dense is None  # weights resident once: no dense copies
     want = ref.layers[5]["gate_up"]
     want = want.t() if ref.weight_layout == "in_out" else want
@@ -562,9 +614,9 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     assert quant.build_matrix([w], "int4", Backend.exact(torch.bfloat16, torch.device("cpu"), "int4")).kind == "int4"
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0", "q8_0_stored"])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0", "q8_0_r8", "q8_0_stored"])
 def test_non_finite_activations_reach_the_output_and_tiny_blocks_are_zero(kind):
-    w = block_weights_of(kind, random_blocks("q8_0" if kind == "q8_0_stored" else kind, 40, 64, seed=9))
+    w = block_weights_of(kind, random_blocks("q8_0" if kind in ("q8_0_stored", "q8_0_r8") else kind, 40, 64, seed=9))
     x = torch.randn(4, 64)
     x[1, 5] = float("nan")
     x[2, 40] = float("inf")
@@ -687,24 +739,23 @@ def test_stored_q8_0_refuses_rows_it_cannot_read():
         bg._extension().gemm_q8_0_stored(torch.randn(2, 64), good.qs, torch.tensor([64, 64]), 0, None, 0.0, None)
 
 
-def test_a_q8_0_file_is_read_in_its_mapping(smollm2_gguf):
-    """A GGUF file's Q8_0 tensors stay where the file is mapped: the LM head's stored rows lie in a
-    mapping of that file (no copy in memory of forklm's own), and its products are the repacked ones'."""
+def test_a_q8_0_file_runs_interleaved_in_memory_of_its_own(smollm2_gguf):
+    """A GGUF file's Q8_0 tensors (SmolLM2's tied LM head) are repacked once into q8_0_r8, outside the
+    file's mapping, holding the file's values: its products are the plain layout's to rounding."""
     import os
 
     from forklm import LLM
 
     path = os.path.realpath(smollm2_gguf)
-    llm = LLM(path, dtype="float32", device="cpu")
-    head = llm.model.lm_head
-    assert head.kind == "q8_0_stored"
+    head = LLM(path, dtype="float32", device="cpu").model.lm_head
+    assert head.kind == "q8_0_r8" and head.blocks.qs.shape[2] == 256
+    address = head.blocks.qs.data_ptr()
     regions = [line.split() for line in open("/proc/self/maps")]
-    row_bytes = head.in_features // 32 * 34
-    for address in (head.blocks.qs.min().item(), head.blocks.qs.max().item() + row_bytes - 1):  # every row's bytes
-        owner = [r for r in regions if int(r[0].split("-")[0], 16) <= address < int(r[0].split("-")[1], 16)]
-        assert owner and os.path.realpath(owner[0][-1]) == path
+    owner = [r for r in regions if int(r[0].split("-")[0], 16) <= address < int(r[0].split("-")[1], 16)]
+    assert owner and (len(owner[0]) < 6 or os.path.realpath(owner[0][-1]) != path)
+    plain = bg.deinterleave_r8(head.blocks)
     x = torch.randn(3, head.in_features)
-    assert torch.equal(head.kernel(x), bg.gemm(x, bg.pack_q8_0(*head.blocks.unpack()[:2])))
+    assert rel_err(head.kernel(x), bg.gemm(x, plain)) < 1e-6
 
 
 def test_int8_from_a_float_checkpoint_runs_as_q8_0_blocks():
@@ -719,7 +770,7 @@ def test_int8_from_a_float_checkpoint_runs_as_q8_0_blocks():
     bound = (b.d / 2 + 1e-7).repeat_interleave(32, dim=1)
     assert ((deq - w).abs() <= bound).all()  # each value within half a step of its block's scale
     lin = quant.build_matrix([w], "int8", Backend.exact(torch.float32, torch.device("cpu"), "int8"))
-    assert isinstance(lin, BlockLinear) and lin.kind == "q8_0" and lin.dense is None
+    assert isinstance(lin, BlockLinear) and lin.kind == "q8_0_r8" and lin.dense is None
     assert torch.equal(lin.dequantize(), deq)
     for rows in (1, 5, 200):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))

@@ -95,10 +95,10 @@ def as_blocks(w: torch.Tensor, kind: str):
         q, d, _ = as_blocks(w, "q8_0").unpack()
         raw = torch.cat([d.half().view(torch.uint8).view(n, -1, 1, 2), q.view(torch.uint8).view(n, -1, 1, 32)], -1)
         return bg.stored_q8_0([(raw.view(n, k // 32 * 34), None)], k)
-    if kind == "q8_0":
+    if kind in ("q8_0", "q8_0_r8"):  # (plain: the layout no file loads as now, still run by the stack)
         d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(1e-6)
-        return BlockQuantized("q8_0", torch.round(blocks / d.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k),
-                              d).to_block_weights()
+        b = BlockQuantized("q8_0", torch.round(blocks / d.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k), d)
+        return b.to_block_weights() if kind == "q8_0_r8" else bg.pack_q8_0(b.q, b.d)
     if kind == "q6_k":
         scale = blocks.view(n, -1, 16).abs().amax(-1) / 31  # per 16 values
         ds = (scale.view(n, -1, 16).amax(-1) / 127).half().float().clamp_min(1e-6)
@@ -106,11 +106,11 @@ def as_blocks(w: torch.Tensor, kind: str):
         step = (ds.repeat_interleave(16, 1) * sc).unsqueeze(-1)
         q = torch.round(w.float().view(n, -1, 16) / step).clamp(-32, 31).to(torch.int8).view(n, k)
         return bg.pack_q6_k(q, ds, sc.to(torch.int8))
-    if kind == "iq4_nl":  # the nearest of the 16 levels under a per-block scale
+    if kind in ("iq4_nl", "iq4_nl_r8"):  # the nearest of the 16 levels under a per-block scale
         d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(1e-6)
         levels = bg.IQ4_NL_LEVELS.float()
         q = (blocks / d.unsqueeze(-1)).unsqueeze(-1).sub(levels).abs().argmin(-1).to(torch.uint8).view(n, k)
-        return bg.pack_iq4_nl(q, d)
+        return bg.interleave_r8(bg.pack_iq4_nl(q, d)) if kind == "iq4_nl_r8" else bg.pack_iq4_nl(q, d)
     if kind == "iq4_xs":  # the nearest level under a 6-bit scale per 32 of a float16 scale per 256
         d32 = blocks.abs().amax(-1) / 127
         ds = (d32.view(n, -1, 8).amax(-1) / 31).half().float().clamp_min(1e-6)
@@ -172,8 +172,8 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_0_r8", "q4_k", "q5_k", "q8_0", "q6_k", "iq4_xs", "q2_k", "iq4_nl", "q3_k", "q8_0_stored", "q4_0_r8",
-             "q4_1_r8", "q5_1_r8"]  # o: 1, 3, 5, 7
+    kinds = ["q5_0_r8", "q4_k", "q5_k", "q8_0_r8", "q6_k", "iq4_xs", "q2_k", "iq4_nl_r8", "q3_k", "q8_0_stored", "q4_0_r8",
+             "q4_1_r8", "q5_1_r8", "q8_0", "iq4_nl"]  # o: 1, 3, 5, 7
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
             layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % len(kinds)]))
@@ -190,8 +190,12 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
         layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
     for i, kind in ((0, "q4_0_r8"), (2, "q4_1_r8")):  # the interleaved 4-bit layouts (files' Q4_0 / Q4_1)
         model.layers[i]["o"] = BlockLinear(as_blocks(model.layers[i]["o"].dequantize(), kind))
+    for i, kind in ((1, "q8_0"), (3, "iq4_nl")):  # the plain signed layouts, a middle part of down
+        w = model.layers[i]["down"].dequantize()
+        a, b = pairs[i]
+        model.layers[i]["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:160], kind), as_blocks(w[160:], b)])
     assert {layer["qkv"].kind for layer in model.layers} == {"q5_1_r8+q5_0_r8+q8_0_stored", "q4_k+q6_k", "q2_k+q3_k", "iq4_xs+q5_k"}
-    assert {layer["o"].kind for layer in model.layers} == {"q4_0_r8", "q8_0", "q4_1_r8", "iq4_nl"}
+    assert {layer["o"].kind for layer in model.layers} == {"q4_0_r8", "q8_0_r8", "q4_1_r8", "iq4_nl_r8"}
     used = {part.kind for layer in model.layers for w in layer.values() if isinstance(w, BlockLinear) for part in w.parts}
     assert used == set(kinds), set(kinds) - used  # every layout on the stack somewhere
     calls = count_stack_steps(monkeypatch)

@@ -216,7 +216,7 @@ def test_forklm_info_names_each_weights_kernel(kquant_gguf, capsys):
     layers = doc["model"]["layers"]
     assert any(k.startswith("down: Q6_K -> block kernel (q6_k layout") for k in layers)
     assert any(k.startswith("gate_up: Q5_0+Q5_0 -> block kernel (q5_0_r8 layout") for k in layers)
-    assert any(k.startswith("qkv: Q5_0+Q5_0+Q8_0 -> block kernel (q5_0_r8+q8_0_stored layout") for k in layers)  # mixed parts
+    assert any(k.startswith("qkv: Q5_0+Q5_0+Q8_0 -> block kernel (q5_0_r8+q8_0_r8 layout") for k in layers)  # mixed parts
     assert doc["model"]["decode stack"] == "on"
     assert main(["info", "--no-model"]) == 0
     assert "block kernel" in capsys.readouterr().out

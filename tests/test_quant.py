@@ -177,7 +177,7 @@ def test_quantized_model_close_to_transformers(tmp_path, variant, how, dtype, to
     kernel_dtype = torch.float32 if on_block_kernel else torch.bfloat16
     if on_block_kernel:  # every row count on the kernel, no dense copy
         assert model.layers[0]["qkv"].dense is None and model.layers[0]["qkv"].dtype == kernel_dtype
-        assert model.layers[0]["qkv"].kind == {"int4": "q4_1_r8", "int8": "q8_0"}[how] and model.lm_head.kind == "q8_0"
+        assert model.layers[0]["qkv"].kind == {"int4": "q4_1_r8", "int8": "q8_0_r8"}[how] and model.lm_head.kind == "q8_0_r8"
     else:
         assert model.layers[0]["qkv"].dense.dtype == dtype and model.layers[0]["qkv"].dtype == kernel_dtype
     prefill, steps = model_logits(model, prompt, decode)

@@ -173,6 +173,10 @@ class BlockWeights:
           at 4r), d float16 [⌈N/8⌉, K/32, 8], m float16 [⌈N/8⌉, K/32, 8] (q4_1's grouped minima, the
           last group padded with zeros), count int64 [1] holding N: w = d·q + m.
     q4_0_r8: q4_1_r8 without minima (GGUF Q4_0): w = d·(q − 8).
+    iq4_nl_r8: q4_0_r8's arrays, the nibbles IQ4_NL level indices (GGUF IQ4_NL): w = d·IQ4_NL_LEVELS[q].
+    q8_0_r8: q8_0's blocks with 8 outputs interleaved, the layout GGUF Q8_0 tensors and `quantize="int8"`
+          run on: qs int8 [⌈N/8⌉, K/32, 256] (per group and block 8 runs of 32 bytes, run j = values
+          4j..4j+3 of each output, output r at 4r), d float16 [⌈N/8⌉, K/32, 8], count: w = d·q.
     q5_1_r8 / q5_0_r8: q4_1_r8 / q4_0_r8 (the values' low 4 bits) and qh uint8 [⌈N/8⌉, K/32, 32], the fifth
           bits (byte 4r + k of a block: at bit j that of value 4j + k of output r, at bit 4 + j that of
           value 16 + 4j + k): w = d·q + m / d·(q − 16), q in 0..31 (GGUF Q5_1 / Q5_0).
@@ -232,6 +236,7 @@ class BlockWeights:
     def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
         """The arrays in the order the kernel's `gemm_<kind>` takes them."""
         return {"q4_1": (self.qs, self.d, self.m), "q4_0_r8": (self.qs, self.d, self.count),
+                "q8_0_r8": (self.qs, self.d, self.count), "iq4_nl_r8": (self.qs, self.d, self.count),
                 "q4_1_r8": (self.qs, self.d, self.m, self.count), "q5_0_r8": (self.qs, self.qh, self.d, self.count),
                 "q5_1_r8": (self.qs, self.qh, self.d, self.m, self.count), "q5_1": (self.qs, self.qh, self.d, self.m),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
@@ -388,7 +393,7 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
     return BlockWeights("q4_1", pack_nibbles(q), _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
 
 
-R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8")  # 4- and 5-bit blocks with 8 outputs interleaved
+R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8", "q8_0_r8", "iq4_nl_r8")  # blocks with 8 outputs interleaved
 
 
 def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
@@ -415,11 +420,21 @@ def _fifth_bit_words(qh8: torch.Tensor, n: int) -> torch.Tensor:
 
 def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
     """q4_1 / q5_1 blocks -> q4_1_r8 / q5_1_r8 (minima=False: q4_0_r8 / q5_0_r8, for blocks whose minima are
-    −8d / −16d, which the kernel then applies in integers; the minima are dropped unchecked)."""
-    if w.kind not in ("q4_1", "q5_1"):
-        raise ValueError(f"only q4_1 / q5_1 blocks interleave, got {w.kind}")
+    −8d / −16d, which the kernel then applies in integers; the minima are dropped unchecked); q8_0 /
+    iq4_nl blocks -> q8_0_r8 / iq4_nl_r8 (`minima` unused)."""
+    if w.kind not in ("q4_1", "q5_1", "q8_0", "iq4_nl"):
+        raise ValueError(f"only q4_1 / q5_1 / q8_0 / iq4_nl blocks interleave, got {w.kind}")
     n, nb = w.n, w.k // BLOCK
     groups = (n + 7) // 8
+    count = torch.tensor([n], dtype=torch.int64)
+    if w.kind == "q8_0":  # [G, 8 outputs, nb, 8 runs, 4 values] -> [G, nb, run, output, value]
+        qs = torch.zeros(groups * 8, w.k, dtype=torch.int8)
+        qs[:n] = w.qs
+        qs = qs.view(groups, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256).contiguous()
+        return BlockWeights("q8_0_r8", qs, block_minima(w.d), None, n, w.k, count=count)
+    if w.kind == "iq4_nl":  # the nibbles as q4_0_r8's
+        four = interleave_r8(BlockWeights("q4_1", w.qs, w.d, None, n, w.k), minima=False)
+        return BlockWeights("iq4_nl_r8", four.qs, four.d, None, n, w.k, count=count)
     if w.kind == "q5_1":
         four = interleave_r8(BlockWeights("q4_1", w.qs, w.d, w.m, n, w.k), minima)
         return BlockWeights("q5_1_r8" if minima else "q5_0_r8", four.qs, four.d, four.m, n, w.k,
@@ -435,10 +450,16 @@ def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
 
 
 def deinterleave_r8(w: BlockWeights) -> BlockWeights:
-    """The inverse of `interleave_r8`, as plain q4_1 / q5_1 blocks (q4_0_r8 / q5_0_r8: minima −8d / −16d in
-    float16, which `unpack` forms in float32 instead)."""
+    """The inverse of `interleave_r8`, as plain q4_1 / q5_1 / q8_0 / iq4_nl blocks (q4_0_r8 / q5_0_r8: minima
+    −8d / −16d in float16, which `unpack` forms in float32 instead)."""
     n, nb = w.n, w.k // BLOCK
     groups = w.qs.shape[0]
+    if w.kind == "q8_0_r8":
+        qs = w.qs.view(groups, nb, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, w.k)[:n].contiguous()
+        return BlockWeights("q8_0", qs, unblock_minima(w.d, n).contiguous(), None, n, w.k)
+    if w.kind == "iq4_nl_r8":
+        four = deinterleave_r8(BlockWeights("q4_0_r8", w.qs, w.d, None, n, w.k, count=w.count))
+        return BlockWeights("iq4_nl", four.qs, four.d, None, n, w.k)
     qs = w.qs.view(groups, nb, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, nb * 16)[:n].contiguous()
     d = unblock_minima(w.d, n).contiguous()
     five = w.qh is not None
@@ -555,6 +576,11 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
     return BlockWeights("q8_0", q.to(torch.int8).contiguous(), _exact_half(d, "d"), None, n, k)
 
 
+def pack_q8_0_r8(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
+    """q int8 [N, K], d [N, K/32] holding float16 values, as q8_0_r8."""
+    return interleave_r8(pack_q8_0(q, d))
+
+
 STORED_Q8_0_BLOCK_BYTES = 34  # GGUF Q8_0: float16 d, 32 int8 values
 
 
@@ -642,13 +668,13 @@ def dense_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def repack_rows(type_name: str, raw: torch.Tensor, row0: int, qs: torch.Tensor, d: torch.Tensor,
                 m: torch.Tensor | None = None, qh: torch.Tensor | None = None, sc: torch.Tensor | None = None,
                 mq: torch.Tensor | None = None, q2: torch.Tensor | None = None,
-                order: torch.Tensor | None = None) -> int:
+                order: torch.Tensor | None = None, outputs: int = -1) -> int:
     """GGUF blocks of `type_name` as stored (uint8 [r, row bytes]) -> rows row0 .. row0 + r of the
     kernel's arrays (before `block_minima` groups m / mq / dm), in one C++ pass (see
     `models.quant.stored_block_weights`); with `order` (int64 [r']) the stored rows order[0], order[1],
-    ... instead (GGUF's q / k row order, gathered in the pass); returns how many Q4_0 / Q5_0 blocks'
-    minimum overflows float16."""
-    return _extension().repack_rows(type_name, raw, row0, qs, d, m, qh, sc, mq, q2, order)
+    ... instead (GGUF's q / k row order, gathered in the pass); `outputs`: N, for the interleaved layouts
+    (qs [⌈N/8⌉, K/32, 128 or 256]); returns how many Q4_0 / Q5_0 blocks' minimum overflows float16."""
+    return _extension().repack_rows(type_name, raw, row0, qs, d, m, qh, sc, mq, q2, order, outputs)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -94,7 +94,7 @@ class BlockQuantized:
             return block_gemm.pack_q4_1_r8(self.q, self.d, self.m)
         if self.kind == "q5_1":
             return block_gemm.pack_q5_1(self.q, self.d, self.m)
-        return block_gemm.pack_q8_0(self.q, self.d)
+        return block_gemm.pack_q8_0_r8(self.q, self.d)
 
 
 def read_gguf_blocks(kind_name: str, raw, shape: tuple[int, int]) -> BlockQuantized:
@@ -304,16 +304,16 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
 
 
 # GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
-BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0_stored",
+BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0_r8",
                       "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
-                      "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}
+                      "IQ4_NL": "iq4_nl_r8", "IQ4_XS": "iq4_xs"}
 
 
 def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
     Q4_0 / Q4_1 parts as q4_1 (run interleaved: q4_0_r8 where every part is Q4_0, else q4_1_r8), with a
     Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
-    q2_k; Q8_0 parts as q8_0_stored (read where the file stores them); IQ4_NL parts as iq4_nl; IQ4_XS parts as iq4_xs."""
+    q2_k; Q8_0 parts as q8_0_r8, IQ4_NL parts as iq4_nl_r8 (8 outputs interleaved); IQ4_XS parts as iq4_xs."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -324,37 +324,37 @@ def stored_block_weights(parts: list[GGMLWeights]):
     """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`,
     `block_gemm.BlockWeights`), repacked from the stored bytes in one C++ pass (`repack_rows`): every
     value as stored. Q4_0 / Q4_1 / Q5_0 / Q5_1 keep GGUF's nibbles (value j in the low nibble of byte j,
-    value j + 16 in the high one) and fifth bits, 8 outputs interleaved (`block_gemm.interleave_r8`'s
-    layouts, written directly by the pass); Q4_0 / Q5_0 alone keep no minima (−8d / −16d applied in
+    value j + 16 in the high one) and fifth bits, Q8_0's int8 values and IQ4_NL's level indices, 8 outputs
+    interleaved (`block_gemm.interleave_r8`'s layouts, written directly by the pass); Q4_0 / Q5_0 alone keep no minima (−8d / −16d applied in
     integers), beside Q4_1 / Q5_1 parts they take minimum −8d / −16d (exact; ValueError where the minimum
     overflows float16); Q4_K / Q5_K values take Q4_1's nibble order
     with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
     5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
-    against the file's 3.44), Q2_K's scale / minimum bytes as stored (2.63 bits, as the file); IQ4_NL's
-    and IQ4_XS's level indices as stored, IQ4_XS's 6-bit scales an int8 per 32 (4.31 bits against 4.25)."""
+    against the file's 3.44), Q2_K's scale / minimum bytes as stored (2.63 bits, as the file); IQ4_XS's
+    level indices as stored, its 6-bit scales an int8 per 32 (4.31 bits against 4.25)."""
     from forklm.kernels import block_gemm
 
     kind = block_kernel_kind([p.type_name for p in parts])
     if kind is None:
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
     n, k = sum(p.n for p in parts), parts[0].k
-    if kind == "q8_0_stored":  # read where the file stores it: no copy, the q / k row order an address table
-        return block_gemm.stored_q8_0([(p.data, p.row_order) for p in parts], k)
     nb, nsb = k // 32, k // 256
     only_q4_0 = all(p.type_name == "Q4_0" for p in parts)
     only_q5_0 = all(p.type_name == "Q5_0" for p in parts)  # (Q4_0 and Q5_0 alone keep no minima)
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
-    interleaved = kind in ("q4_1", "q5_1")  # Q4_0-Q5_1: repacked straight into 8 outputs interleaved
+    interleaved = kind in ("q4_1", "q5_1", "q8_0_r8", "iq4_nl_r8")  # repacked straight into 8 outputs interleaved
     if interleaved:  # (the last group's missing outputs zero)
         groups = (n + 7) // 8
         make = torch.zeros if n % 8 else torch.empty
-        qs, d = make(groups, nb, 128, dtype=torch.uint8), make(groups, nb, 8, dtype=torch.float16)
+        qs = (make(groups, nb, 256, dtype=torch.int8) if kind == "q8_0_r8"
+              else make(groups, nb, 128, dtype=torch.uint8))
+        d = make(groups, nb, 8, dtype=torch.float16)
     else:
         qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
         d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
-    m = None if kind in ("q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    m = None if kind in ("q6_k", "q3_k", "q2_k", "q8_0_r8", "iq4_nl_r8", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
     qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" else None  # 4-bit parts: fifth bits 0
     if kind == "q5_1":  # interleaved: a block's fifth bits in 32 bytes per 8 outputs (`block_gemm.BlockWeights`)
         qh = torch.zeros((n + 7) // 8, nb, 32, dtype=torch.uint8)
@@ -378,7 +378,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
             if order is not None and order.numel() != part.n:
                 raise ValueError(f"a row order of {order.numel()} rows for a part of {part.n}")
             overflowing = block_gemm.repack_rows(part.type_name, raw.view(raw.shape[0], -1), row0, qs, d, m, qh, sc,
-                                                 mq, q2, order=order)
+                                                 mq, q2, order=order, outputs=n)
             if overflowing and not (only_q4_0 or only_q5_0):  # (alone, their −8d / −16d is applied in integers)
                 factor = -8 if part.type_name == "Q4_0" else -16
                 raise ValueError(f"{overflowing} {part.type_name} blocks' minimum {factor}d overflows float16")
@@ -387,8 +387,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
             release_pages(part.data)
     if kind == "q6_k":
         return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
-    if kind == "iq4_nl":
-        return block_gemm.BlockWeights("iq4_nl", qs, d, None, n, k)
+    if kind in ("q8_0_r8", "iq4_nl_r8"):
+        return block_gemm.BlockWeights(kind, qs, d, None, n, k, count=torch.tensor([n], dtype=torch.int64))
     if kind == "iq4_xs":
         return block_gemm.BlockWeights("iq4_xs", qs, d, None, n, k, sc=sc)
     if two_bit:

@@ -1318,7 +1318,48 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
   }
 }
 
-enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1 };
+// Rows [0, TN) of `x` times the 8 outputs of one group of signed blocks: Q8_0 (NL false: 8 runs of 32
+// bytes a block, run j = values 4j..4j+3 of each output as int8, output r at 4r) or IQ4_NL (NL: 4 runs of
+// nibbles as Q4_0's, looked up as int8 levels; the low nibbles of run j are values 4j..4j+3, the high
+// ones 16 + 4j..): acc[t] lanes = outputs. Each signed run r (Q8_0's run r; IQ4_NL's run r's low
+// nibbles for r < 4, run r − 4's high ones after) meets the activations' bytes 4r..4r+3 broadcast:
+// |w| (unsigned) times x carrying w's sign, 4 products summed into an int32 lane (|w| <= 128,
+// |x| <= 127: no int16 pair saturates); one float chain per (output, row) over the blocks:
+//   acc = fma(d·dx_b, float(Σ q_w·q_x), acc)
+template <bool NL, int TN>
+inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, const int8_t* xq, const float* dx,
+                           int64_t K, __m256* acc) {
+  constexpr int64_t BYTES = NL ? 128 : 256;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), levels = iq4nl_levels();
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * BYTES;
+    __m256i isum[TN];
+    for (int t = 0; t < TN; ++t) isum[t] = _mm256_setzero_si256();
+    const auto run = [&](__m256i v, int r) {  // v: signed int8 values 4r..4r+3 of the 8 outputs
+      const __m256i a = _mm256_sign_epi8(v, v);
+      for (int t = 0; t < TN; ++t) {
+        int32_t xb;
+        std::memcpy(&xb, xq + t * K + b * QK + 4 * r, 4);
+        isum[t] = dot_u8s8(isum[t], a, _mm256_sign_epi8(_mm256_set1_epi32(xb), v));
+      }
+    };
+    if constexpr (NL) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+        run(_mm256_shuffle_epi8(levels, _mm256_and_si256(v, low4)), j);
+        run(_mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)), 4 + j);
+      }
+    } else {
+      for (int r = 0; r < 8; ++r) run(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * r)), r);
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * 8)));
+    for (int t = 0; t < TN; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx[t * nb + b])), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+  }
+}
+
+enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL };
 
 // L: the layout (q4_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m). count:
 // int64 [1] holding N (the last group may be padded).
@@ -1328,6 +1369,8 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
                       const std::optional<torch::Tensor>& norm_weight, double eps,
                       const std::optional<torch::Tensor>& residual) {
   constexpr bool MIN = L == R8_Q4_1 || L == R8_Q5_1, H5 = L == R8_Q5_0 || L == R8_Q5_1;
+  constexpr bool SIGNED = L == R8_Q8_0 || L == R8_IQ4_NL;
+  constexpr int64_t BLOCK_BYTES = L == R8_Q8_0 ? 2 * R8_BLOCK_BYTES : R8_BLOCK_BYTES;
   const ProductInput in = product_input(x_in, mode_in, norm_weight);
   const torch::Tensor& x = in.x;
   const Prologue mode = in.mode;
@@ -1336,8 +1379,9 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
               "interleaved weights need their output count N as a one-element int64 tensor");
   const int64_t n = *count.data_ptr<int64_t>(), G = (n + 7) / 8;
   TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(0) == G &&
-                  qs.size(1) == nb && qs.size(2) == R8_BLOCK_BYTES,
-              "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", ", nb, ", 128], got ", qs.sizes());
+                  qs.size(1) == nb && qs.size(2) == BLOCK_BYTES,
+              "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", ", nb, ", ", BLOCK_BYTES,
+              "], got ", qs.sizes());
   TORCH_CHECK(d.dim() == 3 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == G &&
                   d.size(1) == nb && d.size(2) == 8,
               "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
@@ -1358,8 +1402,8 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   quantize_rows_into(x, K, mode, in.norm_data(), static_cast<float>(eps), false,
                      buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
   std::vector<int32_t>& xs = buf.block_sums;
-  xs.resize(MIN ? 0 : T * nb);
-  if constexpr (!MIN) block_sums(buf.q.data(), T * nb, xs.data());
+  xs.resize(MIN || SIGNED ? 0 : T * nb);
+  if constexpr (!MIN && !SIGNED) block_sums(buf.q.data(), T * nb, xs.data());
   const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = MIN ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
@@ -1369,7 +1413,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   const int32_t* xsp = xs.data();
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
-  const int64_t group_bytes = nb * R8_BLOCK_BYTES;
+  const int64_t group_bytes = nb * BLOCK_BYTES;
   const auto store = [&](int64_t g, int64_t t, __m256 a) {  // y = residual + x·Wᵀ, one rounding
     const int64_t o = g * 8, live = std::min<int64_t>(8, n - o);
     float* yo = yp + t * n + o;
@@ -1400,9 +1444,12 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
                 _mm_prefetch(reinterpret_cast<const char*>(wh + (g + 2) * nb * 32) + off, _MM_HINT_T0);
           }
           __m256 acc[TN];
-          tile_r8<MIN, H5, TN>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * nb * 8,
-                               MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
-                               MIN ? nullptr : xsp + t * nb, K, acc);
+          if constexpr (SIGNED)
+            tile_r8_signed<L == R8_IQ4_NL, TN>(wq + g * group_bytes, wd + g * nb * 8, nb, xq + t * K, dx + t * nb, K, acc);
+          else
+            tile_r8<MIN, H5, TN>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * nb * 8,
+                                 MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
+                                 MIN ? nullptr : xsp + t * nb, K, acc);
           for (int i = 0; i < TN; ++i) store(g, t + i, acc[i]);
         }
       };
@@ -1423,6 +1470,18 @@ torch::Tensor gemm_q4_0_r8(const torch::Tensor& x, const torch::Tensor& qs, cons
                            int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
                            const std::optional<torch::Tensor>& residual) {
   return gemm_r8<R8_Q4_0>(x, qs, qs, d, d, count, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_q8_0_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& count,
+                           int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
+                           const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<R8_Q8_0>(x, qs, qs, d, d, count, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_iq4_nl_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
+                             const torch::Tensor& count, int64_t prologue, const std::optional<torch::Tensor>& norm_weight,
+                             double eps, const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<R8_IQ4_NL>(x, qs, qs, d, d, count, prologue, norm_weight, eps, residual);
 }
 
 torch::Tensor gemm_q4_1_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m,
@@ -1744,7 +1803,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
                     const torch::Tensor& d, const std::optional<torch::Tensor>& m,
                     const std::optional<torch::Tensor>& qh, const std::optional<torch::Tensor>& sc,
                     const std::optional<torch::Tensor>& mq, const std::optional<torch::Tensor>& q2,
-                    const std::optional<torch::Tensor>& order) {
+                    const std::optional<torch::Tensor>& order, int64_t outputs) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8 && raw.is_cpu() && raw.stride(1) == 1 &&
                   raw.stride(0) == raw.size(1),
               "repack: stored rows must be a contiguous uint8 CPU matrix");
@@ -1752,36 +1811,40 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     TORCH_CHECK(order->dim() == 1 && order->scalar_type() == torch::kInt64 && order->is_contiguous() && order->is_cpu(),
                 "repack: the row order must be a contiguous int64 CPU vector");
   const Stored type = stored_type(type_name);
-  // Q4_0 / Q4_1 straight into the interleaved layout (qs uint8 [G, nb, 128], d fp16 [G, nb, 8]; m plain
-  // [N, nb], its rows giving N)
+  // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL straight into the interleaved layouts (qs [G, nb, 128] (Q8_0:
+  // 256), d fp16 [G, nb, 8]; Q4_0-Q5_1: m plain [N, nb]); `outputs` gives N
   const bool r8 = qs.dim() == 3;
   const bool five = type == Stored::Q5_0 || type == Stored::Q5_1;
-  TORCH_CHECK(!r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
-              "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks repack interleaved, with their minima m [N, K/32]");
-  const int64_t n = r8 ? m->size(0) : qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
+  const bool signed8 = type == Stored::Q8_0 || type == Stored::IQ4_NL;  // (interleaved only)
+  TORCH_CHECK(!r8 || signed8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
+              "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 (with their minima m [N, K/32]), Q8_0 and IQ4_NL blocks repack interleaved");
+  TORCH_CHECK(r8 || type != Stored::Q8_0, "repack: Q8_0 blocks repack interleaved only");
+  TORCH_CHECK(!r8 || outputs >= 0, "repack: interleaved blocks need the output count");
+  const int64_t n = r8 ? outputs : qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
+  TORCH_CHECK(!r8 || !m.has_value() || m->size(0) == n, "repack: m has ", m.has_value() ? m->size(0) : 0,
+              " rows for ", n, " outputs");
   const int64_t* order_p = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; order_p != nullptr && i < r; ++i)
     TORCH_CHECK(order_p[i] >= 0 && order_p[i] < raw.size(0), "repack: row order entry ", order_p[i], " outside the ",
                 raw.size(0), " stored rows");
   TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
-  // Q8_0: none (its blocks are read where the file stores them, `gemm_q8_0_stored`)
-  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 0, 144, 176, 210, 110, 84, 18, 136, 0};
+  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 18, 136, 0};
   const int64_t block_bytes = kBlockBytes[static_cast<int>(type)];
   TORCH_CHECK(block_bytes > 0, "repack: no block-kernel layout for GGUF type ", type_name);
   TORCH_CHECK(bytes % block_bytes == 0, "repack: a row of ", bytes, " bytes is not whole ", type_name, " blocks");
   const bool legacy = block_bytes <= 24, q6 = type == Stored::Q6_K;
   const bool q3 = type == Stored::Q3_K, q2k = type == Stored::Q2_K, xs = type == Stored::IQ4_XS;
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
-  const int64_t nb = legacy ? blocks : blocks * 8;  // blocks of 32 per row
+  const int64_t nb = legacy || type == Stored::Q8_0 ? blocks : blocks * 8;  // blocks of 32 per row
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
-  const int64_t groups = (n + 7) / 8;
+  const int64_t groups = (n + 7) / 8, group_block_bytes = type == Stored::Q8_0 ? 2 * R8_BLOCK_BYTES : R8_BLOCK_BYTES;
   if (r8)
-    TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == torch::kUInt8 && qs.size(0) == groups && qs.size(1) == nb &&
-                    qs.size(2) == R8_BLOCK_BYTES && d.is_contiguous() && d.scalar_type() == torch::kFloat16 &&
+    TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.size(0) == groups && qs.size(1) == nb &&
+                    qs.size(2) == group_block_bytes && d.is_contiguous() && d.scalar_type() == torch::kFloat16 &&
                     d.dim() == 3 && d.size(0) == groups && d.size(1) == nb && d.size(2) == 8,
-                "repack: interleaved qs / d must be contiguous [", groups, ", ", nb, ", 128] uint8 / [", groups, ", ", nb,
-                ", 8] float16");
-  uint8_t* qs_p = r8 ? qs.data_ptr<uint8_t>() : rows_of<uint8_t>(qs_opt, row0, "qs", n);
+                "repack: interleaved qs / d must be contiguous [", groups, ", ", nb, ", ", group_block_bytes,
+                "] 1-byte / [", groups, ", ", nb, ", 8] float16");
+  uint8_t* qs_p = r8 ? static_cast<uint8_t*>(qs.data_ptr()) : rows_of<uint8_t>(qs_opt, row0, "qs", n);
   uint16_t* d_p = r8 ? reinterpret_cast<uint16_t*>(d.data_ptr()) : rows_of<uint16_t>(d_opt, row0, "d", n);
   uint16_t* m_p = m.has_value() ? rows_of<uint16_t>(m, row0, "m", n) : nullptr;
   // interleaved fifth bits: uint8 [G, nb, 32] (`tile_r8`), zero where 4-bit parts share the run
@@ -1794,7 +1857,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   uint32_t* qh_p = qh.has_value() && !r8 ? rows_of<uint32_t>(qh, row0, "qh", n) : nullptr;
   TORCH_CHECK(r8 || qs.numel() / n == (q3 || q2k ? nb * 8 : nb * 16), "repack: qs has the wrong width");
   TORCH_CHECK(r8 || d.numel() / n == (q2k ? 2 * blocks : blocks), "repack: d has the wrong width");
-  TORCH_CHECK(m_p != nullptr || q6 || q3 || q2k || xs || type == Stored::IQ4_NL, "repack: ", type_name, " needs m");
+  TORCH_CHECK(m_p != nullptr || q6 || q3 || q2k || xs || signed8, "repack: ", type_name, " needs m");
   TORCH_CHECK(qh_p != nullptr || qh8_p != nullptr || !(type == Stored::Q5_0 || type == Stored::Q5_1 || type == Stored::Q5_K),
               "repack: ", type_name, " needs qh");
   TORCH_CHECK(m_p == nullptr || m->numel() / n == blocks, "repack: m has the wrong width");
@@ -1823,12 +1886,21 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     int64_t local = 0;
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = src + (order_p != nullptr ? order_p[i] : i) * bytes;
-      if (r8) {  // the row's blocks as q4_1 rows are laid out, then into output o's lanes of its group
+      if (r8 && type == Stored::Q8_0) {  // block b's run j: values 4j..4j+3 of output o at 4·lane
+        const int64_t o = row0 + i, g = o / 8, lane = o % 8;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* x = row + b * 34;
+          uint8_t* out = qs_p + (g * nb + b) * 2 * R8_BLOCK_BYTES + 4 * lane;
+          for (int j = 0; j < 8; ++j) std::memcpy(out + 32 * j, x + 2 + 4 * j, 4);
+          d_p[(g * nb + b) * 8 + lane] = load_u16(x);
+        }
+      } else if (r8) {  // the row's blocks as q4_1 rows are laid out, then into output o's lanes of its group
         thread_local std::vector<uint8_t> row_qs;
         thread_local std::vector<uint16_t> row_d;
         thread_local std::vector<uint32_t> row_qh;
         row_qs.resize(nb * 16), row_d.resize(nb), row_qh.resize(five ? nb : 0);
-        local += repack_legacy_row(type, row, nb, row_qs.data(), row_d.data(), m_p + i * nb, five ? row_qh.data() : nullptr);
+        local += repack_legacy_row(type, row, nb, row_qs.data(), row_d.data(), m_p != nullptr ? m_p + i * nb : nullptr,
+                                   five ? row_qh.data() : nullptr);
         if (five) arrange_high_bits_row(row_qh.data(), nb);  // back to GGUF's words (its own inverse)
         const int64_t o = row0 + i, g = o / 8, lane = o % 8;
         for (int64_t b = 0; b < nb; ++b) {
@@ -1934,6 +2006,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q5_1_r8", &gemm_q5_1_r8, "y [T, N] = x [T, K] float32 times Q5_1 weights, 8 outputs interleaved "
         "(gemm_q5_0_r8's arrays and the minima m fp16 [ceil(N/8), K/32, 8])",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q8_0_r8", &gemm_q8_0_r8, "y [T, N] = x [T, K] float32 times Q8_0 weights, 8 outputs interleaved "
+        "(qs int8 [ceil(N/8), K/32, 256], d fp16 [ceil(N/8), K/32, 8], count int64 [1] holding N)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_iq4_nl_r8", &gemm_iq4_nl_r8, "y [T, N] = x [T, K] float32 times IQ4_NL weights, 8 outputs interleaved "
+        "(gemm_q4_0_r8's arrays, the nibbles level indices)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q4_1_r8", &gemm_q4_1_r8, "y [T, N] = x [T, K] float32 times Q4_1 weights, 8 outputs interleaved "
         "(gemm_q4_0_r8's arrays and the minima m fp16 [ceil(N/8), K/32, 8])",
         py::call_guard<py::gil_scoped_release>());
@@ -1969,7 +2047,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row0.. of the kernel's arrays; returns the number of Q4_0 / Q5_0 blocks whose minimum overflows float16",
         py::arg("type"), py::arg("raw"), py::arg("row0"), py::arg("qs"), py::arg("d"), py::arg("m") = py::none(),
         py::arg("qh") = py::none(), py::arg("sc") = py::none(), py::arg("mq") = py::none(),
-        py::arg("q2") = py::none(), py::arg("order") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("q2") = py::none(), py::arg("order") = py::none(), py::arg("outputs") = -1,
+        py::call_guard<py::gil_scoped_release>());
   m.def("quantize_q8", &quantize_q8, "x [T, K] float32 -> (q int8 [T, K], d [T, K/32], d*sum(q) [T, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("quantize_q8_k", &quantize_q8_k, "x [T, K] float32 -> (q int8 [T, K], d [T, K/256], sums of 16 int16 [T, K/16])",
