@@ -60,16 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     mats = [b for layer in model.layers for k in ("qkv", "o", "gate_up", "down") for b in parts(layer[k])]
     mats += parts(model.lm_head)
     flat_minima = [None if b.m is None else bg.unblock_minima(b.m, b.n).contiguous() for b in mats]
-    # a build from before Q8_0 was read in place (no gemm_q8_0_stored) runs those blocks copied, as it loaded them
-    copied = {id(b): bg.pack_q8_0(*b.unpack()[:2]) for b in mats if b.kind == "q8_0_stored"}
     # a build from before the interleaved 4-bit layouts runs those blocks in the plain q4_1 layout
     plain = {id(b): bg.deinterleave_r8(b) for b in mats if b.kind in getattr(bg, "R8_KINDS", ())}
     flat_plain = {i: bg.unblock_minima(p.m, p.n).contiguous() for i, p in plain.items() if p.m is not None}
 
-    def as_stored(b):  # Q8_0 blocks as the file stores them (what a build from before q8_0_r8 read in place)
-        q, d = b.qs, b.d
-        raw = torch.cat([d.contiguous().view(torch.uint8).view(b.n, -1, 2), q.view(torch.uint8).view(b.n, -1, 32)], -1)
-        return bg.stored_q8_0([(raw.view(b.n, -1).contiguous(), None)], b.k)
+    def as_stored(b):  # Q8_0 blocks as the file stores them, for a build that read them there (gemm_q8_0_stored:
+        # each output row's address, the width); the stored bytes are kept beside the addresses
+        raw = torch.cat([b.d.contiguous().view(torch.uint8).view(b.n, -1, 2), b.qs.view(torch.uint8).view(b.n, -1, 32)], -1)
+        raw = raw.view(b.n, -1).contiguous()
+        return raw, raw.data_ptr() + torch.arange(b.n) * raw.stride(0), torch.tensor([b.k], dtype=torch.int64)
 
     stored = {i: as_stored(p) for i, p in plain.items() if p.kind == "q8_0"}
     q4 = next((b for b in mats if b.kind == "q4_1"), next((p for p in plain.values() if p.kind == "q4_1"), None))
@@ -82,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             builds[name] = (ext, True)
 
     def product(ext, flat_layout, b, flat, x):
-        if b.kind == "q8_0_stored" and not hasattr(ext, "gemm_q8_0_stored"):
-            b = copied[id(b)]
         if id(b) in stored and not hasattr(ext, f"gemm_{b.kind}") and hasattr(ext, "gemm_q8_0_stored"):
-            b = stored[id(b)]
-        elif id(b) in plain and not hasattr(ext, f"gemm_{b.kind}"):
+            _, rows, width = stored[id(b)]
+            return ext.gemm_q8_0_stored(x, rows, width, 0, None, 0.0, None)
+        if id(b) in plain and not hasattr(ext, f"gemm_{b.kind}"):
             b, flat = plain[id(b)], flat_plain.get(id(b))
         if b.kind == "q4_1" and flat_layout:
             return ext.gemm_q4_1(x, b.qs, b.d, flat, 0, None, 0.0, None)

@@ -3,8 +3,6 @@ against the slow, obvious reference; batch invariance; how the default model use
 
 from __future__ import annotations
 
-import copy
-import pickle
 
 import pytest
 import torch
@@ -47,23 +45,10 @@ def stored_q8_0_bytes(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return raw.view(n, k // 32 * 34)
 
 
-def random_stored_q8_0(n: int, k: int, seed: int) -> bg.BlockWeights:
-    """Random Q8_0 blocks read where they are stored: two stored tensors fused along N, the first's
-    rows in a permuted order (as GGUF stores q / k)."""
-    b = random_blocks("q8_0", n, k, seed)
-    order = torch.randperm(n // 2, generator=torch.Generator().manual_seed(seed))
-    first, second = stored_q8_0_bytes(b.q[: n // 2], b.d[: n // 2]), stored_q8_0_bytes(b.q[n // 2:], b.d[n // 2:])
-    w = bg.stored_q8_0([(first[torch.argsort(order)].contiguous(), order), (second, None)], k)
-    assert torch.equal(w.dequantize(), b.to_block_weights().dequantize())
-    return w
-
-
 def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     """Random blocks of any layout the kernel runs (K-quant scales: 6-bit integers under float16
     super-block scales, as GGUF's Q4_K / Q5_K hold them; Q3_K's signed 6-bit scales per 16, Q2_K's 4-bit
     scales and minima per 16)."""
-    if kind == "q8_0_stored":
-        return random_stored_q8_0(n, k, seed)
     if kind in ("iq4_nl", "iq4_nl_r8"):
         g = torch.Generator().manual_seed(seed)
         d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
@@ -98,7 +83,7 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_r8", "q8_0_stored", "q4_k", "q5_k", "q6_k",
+KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_r8", "q4_k", "q5_k", "q6_k",
          "q3_k", "q2_k", "iq4_nl", "iq4_nl_r8", "iq4_xs"]
 
 
@@ -141,9 +126,7 @@ def test_kernel_builds_here():
 
 
 def block_weights_of(kind: str, b: BlockQuantized) -> bg.BlockWeights:
-    """Random blocks in the kernel's layout `kind` (q8_0_stored: Q8_0 laid out as a file stores it)."""
-    if kind == "q8_0_stored":
-        return bg.stored_q8_0([(stored_q8_0_bytes(b.q, b.d), None)], b.q.shape[1])
+    """Random blocks in the kernel's layout `kind`."""
     if kind == "q4_1":  # the plain layout (what q5_1 runs with fifth bits 0); files load interleaved
         return bg.pack_q4_1(b.q, b.d, b.m)
     if kind == "q4_0_r8":
@@ -155,11 +138,11 @@ def block_weights_of(kind: str, b: BlockQuantized) -> bg.BlockWeights:
     return b.to_block_weights()
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1", "q5_1_r8", "q5_0_r8", "q8_0", "q8_0_r8", "q8_0_stored"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1", "q5_1_r8", "q5_0_r8", "q8_0", "q8_0_r8"])
 @pytest.mark.parametrize("t, n, k", [(1, 64, 64), (2, 7, 32), (3, 97, 576), (4, 130, 96), (5, 3, 1536),
                                      (9, 70, 160), (33, 65, 576), (1, 1, 32), (6, 8, 64), (7, 17, 96)])
 def test_gemm_matches_reference(kind, t, n, k):
-    b = random_blocks("q8_0" if kind == "q8_0_stored" else kind, n, k, seed=t * 1000 + n + k)
+    b = random_blocks(kind, n, k, seed=t * 1000 + n + k)
     w = block_weights_of(kind, b)
     x = torch.randn(t, k, generator=torch.Generator().manual_seed(n)) * torch.rand(t, 1) * 4
     y = bg.gemm(x, w)
@@ -614,9 +597,9 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
     assert quant.build_matrix([w], "int4", Backend.exact(torch.bfloat16, torch.device("cpu"), "int4")).kind == "int4"
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0", "q8_0_r8", "q8_0_stored"])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0", "q8_0_r8"])
 def test_non_finite_activations_reach_the_output_and_tiny_blocks_are_zero(kind):
-    w = block_weights_of(kind, random_blocks("q8_0" if kind in ("q8_0_stored", "q8_0_r8") else kind, 40, 64, seed=9))
+    w = block_weights_of(kind, random_blocks("q8_0" if kind == "q8_0_r8" else kind, 40, 64, seed=9))
     x = torch.randn(4, 64)
     x[1, 5] = float("nan")
     x[2, 40] = float("inf")
@@ -684,59 +667,6 @@ def test_every_row_count_gives_each_row_its_lone_products_bit_for_bit(kind):
                 y = fn(x_all[:t], *args, mode, norm, 1e-5, None if res is None else res[:t])
                 assert torch.equal(y, alone[:t]), (k, t, mode)
         assert rel_err(bg.gemm(x_all, w), bg.gemm_reference(x_all, w)) < 1e-5
-
-
-@pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (131, 2048)])
-def test_stored_q8_0_equals_the_separate_layout_bit_for_bit(n, k):
-    """Q8_0 read where the file stores it (34-byte blocks at each row's address; fused parts, a
-    permuted row order) gives the products of the same blocks copied into values and scales of their
-    own, bit for bit, at every row count (the lone row reads scales inline, tiles of rows per chunk)."""
-    stored = random_stored_q8_0(n, k, seed=n + k)
-    separate = bg.pack_q8_0(*stored.unpack()[:2])
-    for t in (1, 2, 3, 4, 5, 8, 9, 32):
-        x = torch.randn(t, k) * 2
-        assert torch.equal(bg.gemm(x, stored), bg.gemm(x, separate)), t
-    norm, res = torch.rand(k) + 0.5, torch.randn(3, n)
-    x = torch.randn(3, k)
-    assert torch.equal(bg.gemm(x, stored, norm_weight=norm, eps=1e-5, residual=res),
-                       bg.gemm(x, separate, norm_weight=norm, eps=1e-5, residual=res))
-    assert stored.num_bytes() == n * 8 + 8 + n * k // 32 * 34  # the addresses, the width, the stored bytes: no copy
-    with pytest.raises(RuntimeError, match=f"{k} wide, the activations {k + 32}"):
-        bg.gemm(torch.randn(2, k + 32), stored)  # a wider row would read past each stored row
-    with pytest.raises(RuntimeError, match=f"{k} wide, the activations {k + 32}"):
-        bg.gemm(torch.randn(2, 2 * k + 64), stored, swiglu=True)
-    with pytest.raises(TypeError, match="load the file again"):
-        copy.deepcopy(stored)
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        pickle.dumps(stored)
-    assert torch.equal(copy.deepcopy(separate).dequantize(), separate.dequantize())  # other layouts copy as before
-
-
-def test_stored_q8_0_refuses_rows_it_cannot_read():
-    """Stored rows of the wrong type, width or layout, or a row order that leaves them, are refused at
-    construction (the kernel trusts the addresses it is given); the kernel refuses a non-address table."""
-    raw = stored_q8_0_bytes(torch.randint(-128, 128, (6, 64), dtype=torch.int8), torch.rand(6, 2))
-    with pytest.raises(ValueError, match="uint8"):
-        bg.stored_q8_0([(raw.view(torch.int8), None)], 64)
-    with pytest.raises(ValueError, match=r"\[n, 68\]"):
-        bg.stored_q8_0([(raw[:, :34], None)], 64)
-    with pytest.raises(ValueError, match="contiguous, separate rows"):
-        bg.stored_q8_0([(raw.t().contiguous().t(), None)], 64)
-    with pytest.raises(ValueError, match="contiguous, separate rows"):  # rows overlapping each other
-        bg.stored_q8_0([(raw.view(-1)[:68 + 5].as_strided((6, 68), (1, 1)), None)], 64)
-    with pytest.raises(ValueError, match="1-D integer"):
-        bg.stored_q8_0([(raw, torch.arange(6).float())], 64)
-    with pytest.raises(ValueError, match="row order"):
-        bg.stored_q8_0([(raw, torch.tensor([0, 1, 2, 3, 4, 6]))], 64)
-    with pytest.raises(ValueError, match="row order"):
-        bg.stored_q8_0([(raw, torch.tensor([0, 1]))], 64)
-    with pytest.raises(ValueError, match="divisible by 32"):
-        bg.stored_q8_0([(raw, None)], 60)
-    with pytest.raises(RuntimeError, match="int64 CPU vector"):
-        bg._extension().gemm_q8_0_stored(torch.randn(2, 64), raw, torch.tensor([64]), 0, None, 0.0, None)
-    good = bg.stored_q8_0([(raw, None)], 64)
-    with pytest.raises(RuntimeError, match="one-element int64"):
-        bg._extension().gemm_q8_0_stored(torch.randn(2, 64), good.qs, torch.tensor([64, 64]), 0, None, 0.0, None)
 
 
 def test_a_q8_0_file_runs_interleaved_in_memory_of_its_own(smollm2_gguf):

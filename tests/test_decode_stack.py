@@ -91,10 +91,6 @@ def as_blocks(w: torch.Tensor, kind: str):
 
     n, k = w.shape
     blocks = w.float().view(n, k // 32, 32)
-    if kind == "q8_0_stored":  # Q8_0 blocks laid out as a file stores them, read in place
-        q, d, _ = as_blocks(w, "q8_0").unpack()
-        raw = torch.cat([d.half().view(torch.uint8).view(n, -1, 1, 2), q.view(torch.uint8).view(n, -1, 1, 32)], -1)
-        return bg.stored_q8_0([(raw.view(n, k // 32 * 34), None)], k)
     if kind in ("q8_0", "q8_0_r8"):  # (plain: the layout no file loads as now, still run by the stack)
         d = (blocks.abs().amax(-1) / 127).half().float().clamp_min(1e-6)
         b = BlockQuantized("q8_0", torch.round(blocks / d.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k), d)
@@ -172,14 +168,14 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_0_r8", "q4_k", "q5_k", "q8_0_r8", "q6_k", "iq4_xs", "q2_k", "iq4_nl_r8", "q3_k", "q8_0_stored", "q4_0_r8",
+    kinds = ["q5_0_r8", "q4_k", "q5_k", "q8_0_r8", "q6_k", "iq4_xs", "q2_k", "iq4_nl_r8", "q3_k", "q4_0_r8",
              "q4_1_r8", "q5_1_r8", "q8_0", "iq4_nl"]  # o: 1, 3, 5, 7
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
             layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % len(kinds)]))
     # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside
     # Q6_K; Q2_K beside Q3_K, as a Q2_K file mixes them)
-    pairs = (("q5_0_r8", "q8_0_stored"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k"))
+    pairs = (("q5_0_r8", "q8_0_r8"), ("q4_k", "q6_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k"))
     for layer, (a, b) in zip(model.layers, pairs):
         w = layer["qkv"].dequantize()
         layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)] if a != "q5_0_r8" else
@@ -194,7 +190,7 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
         w = model.layers[i]["down"].dequantize()
         a, b = pairs[i]
         model.layers[i]["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:160], kind), as_blocks(w[160:], b)])
-    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1_r8+q5_0_r8+q8_0_stored", "q4_k+q6_k", "q2_k+q3_k", "iq4_xs+q5_k"}
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1_r8+q5_0_r8+q8_0_r8", "q4_k+q6_k", "q2_k+q3_k", "iq4_xs+q5_k"}
     assert {layer["o"].kind for layer in model.layers} == {"q4_0_r8", "q8_0_r8", "q4_1_r8", "iq4_nl_r8"}
     used = {part.kind for layer in model.layers for w in layer.values() if isinstance(w, BlockLinear) for part in w.parts}
     assert used == set(kinds), set(kinds) - used  # every layout on the stack somewhere

@@ -201,11 +201,6 @@ class BlockWeights:
           d float16 [N, K/128] (per super-block ds then dmin), sc uint8 [N, K/16] (per 16 values the
           file's byte: scale in bits 0-3, minimum in bits 4-7), m None: w = ds·sc·q − dmin·mn.
     q8_0: qs int8 [N, K], d float16 [N, K/32], m None: w = d·q.
-    q8_0_stored: GGUF Q8_0 read where the file stores it (`stored_q8_0`, no copy): qs int64 [N] the
-          address of each output's first 34-byte block (float16 d, then 32 int8 values), the rows of
-          the tensors in `stored` (views of the mapped file, kept alive here), d int64 [1] holding K (the
-          kernel checks the activations' width against it), m None: w = d·q. Not copyable or picklable
-          (the addresses are this process's).
     iq4_nl: GGUF IQ4_NL: qs uint8 [N, K/2] level indices as q4_1's nibbles, d float16 [N, K/32], m None:
           w = d·IQ4_NL_LEVELS[q] (run as q8_0 on the looked-up int8 levels).
     iq4_xs: GGUF IQ4_XS (K a multiple of 256): qs as iq4_nl's (the file's own order), d float16
@@ -223,15 +218,13 @@ class BlockWeights:
     sc: torch.Tensor | None = None  # q4_k / q5_k / q6_k / q3_k / q2_k / iq4_xs only
     dm: torch.Tensor | None = None  # q4_k / q5_k only
     q2: torch.Tensor | None = None  # q6_k / q3_k only
-    stored: tuple[torch.Tensor, ...] = ()  # q8_0_stored only: the stored rows qs points into
     count: torch.Tensor | None = None  # the interleaved layouts (R8_KINDS) only: int64 [1] holding N
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm, self.q2, self.count)
-                if t is not None] + list(self.stored)
+        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm, self.q2, self.count) if t is not None]
 
     def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
         """The arrays in the order the kernel's `gemm_<kind>` takes them."""
@@ -242,7 +235,7 @@ class BlockWeights:
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
-                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d), "q8_0_stored": (self.qs, self.d),
+                "q2_k": (self.qs, self.d, self.sc), "q8_0": (self.qs, self.d),
                 "iq4_nl": (self.qs, self.d),
                 "iq4_xs": (self.qs, self.d, self.sc)}[self.kind]
 
@@ -254,9 +247,6 @@ class BlockWeights:
         if self.kind in R8_KINDS:
             q, d, m = deinterleave_r8(self).unpack()
             return q, d, ({"q4_0_r8": -8 * d, "q5_0_r8": -16 * d}.get(self.kind, m))
-        if self.kind == "q8_0_stored":
-            q, d = _extension().unpack_q8_0_stored(self.qs, self.k)
-            return q, d.float(), None
         if self.kind in ("q3_k", "q2_k"):
             q = unpack_k_fields(self.qs, self.n, self.k)
             if self.kind == "q3_k":
@@ -295,27 +285,12 @@ class BlockWeights:
             return interleave_r8(deinterleave_r8(sub).rows(local * 8 + ids % 8), minima=self.m is not None)
         pick = lambda t: None if t is None else t.index_select(0, ids)
         regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
-        d = self.d if self.kind == "q8_0_stored" else pick(self.d)  # stored Q8_0: d is the width
-        return BlockWeights(self.kind, pick(self.qs), d, regroup(self.m), int(ids.numel()), self.k,
-                            pick(self.qh), pick(self.sc), regroup(self.dm), pick(self.q2), self.stored)
+        return BlockWeights(self.kind, pick(self.qs), pick(self.d), regroup(self.m), int(ids.numel()), self.k,
+                            pick(self.qh), pick(self.sc), regroup(self.dm), pick(self.q2))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block of the unpacked values."""
         return dequantize_values(*self.unpack())
-
-    def __deepcopy__(self, memo):
-        import copy
-        import dataclasses
-
-        if self.kind == "q8_0_stored":
-            raise TypeError("stored Q8_0 blocks are read where the file is mapped: load the file again instead of copying")
-        return dataclasses.replace(self, **{f.name: copy.deepcopy(getattr(self, f.name), memo)
-                                            for f in dataclasses.fields(self)})
-
-    def __getstate__(self):
-        if self.kind == "q8_0_stored":
-            raise TypeError("stored Q8_0 blocks hold this process's addresses: they cannot be pickled")
-        return self.__dict__.copy()
 
 
 def dequantize_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
@@ -579,34 +554,6 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
 def pack_q8_0_r8(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:
     """q int8 [N, K], d [N, K/32] holding float16 values, as q8_0_r8."""
     return interleave_r8(pack_q8_0(q, d))
-
-
-STORED_Q8_0_BLOCK_BYTES = 34  # GGUF Q8_0: float16 d, 32 int8 values
-
-
-def stored_q8_0(parts: list[tuple[torch.Tensor, torch.Tensor | None]], k: int) -> BlockWeights:
-    """GGUF Q8_0 tensors read where they are stored, fused along N: parts (stored uint8 [n_i, K/32·34]
-    (a view of the mapped file, or any tensor), row_order int64 [n_i] or None): output row r of a part
-    is its stored row row_order[r]. No byte is copied: the kernel reads each row at its address, so
-    the parts are kept alive with the result."""
-    _check_k(k)
-    row_bytes = k // BLOCK * STORED_Q8_0_BLOCK_BYTES
-    addresses = []
-    for data, order in parts:
-        if (data.dtype != torch.uint8 or data.dim() != 2 or not data.is_cpu or data.shape[1] != row_bytes
-                or data.stride(1) != 1 or (data.shape[0] > 1 and data.stride(0) < row_bytes)):
-            raise ValueError(f"stored Q8_0 rows must be uint8 CPU [n, {row_bytes}] with contiguous, separate rows, "
-                             f"got {data.dtype} {tuple(data.shape)} strides {data.stride()} on {data.device}")
-        if order is not None and (order.dim() != 1 or order.dtype.is_floating_point or order.dtype.is_complex
-                                  or order.dtype == torch.bool):
-            raise ValueError(f"a row order must be a 1-D integer tensor, got {order.dtype} {tuple(order.shape)}")
-        rows = torch.arange(data.shape[0]) if order is None else order.to(torch.int64)
-        if rows.numel() != data.shape[0] or (rows.numel() and (rows.min() < 0 or rows.max() >= data.shape[0])):
-            raise ValueError(f"row order of {rows.numel()} rows for {data.shape[0]} stored rows")
-        addresses.append(data.data_ptr() + rows * data.stride(0))
-    qs = torch.cat(addresses) if addresses else torch.empty(0, dtype=torch.int64)
-    return BlockWeights("q8_0_stored", qs.contiguous(), torch.tensor([k], dtype=torch.int64), None, int(qs.numel()),
-                        k, stored=tuple(data for data, _ in parts))
 
 
 def pack_iq4_nl(q: torch.Tensor, d: torch.Tensor) -> BlockWeights:

@@ -262,30 +262,7 @@ struct Weights {
   const float* mf = nullptr;
   int64_t o0 = 0;
   bool scales_per_16 = false;  // Q6_K / Q3_K / Q2_K: sc holds 2·nb scales a row (IQ4_XS, also in tile_s16: nb)
-  // Q8_0 read where the file stores it (`gemm_q8_0_stored`; qs, d unused): output o's blocks from
-  // address rows[o], each STORED_Q8_BYTES: its float16 d, then its 32 int8 values
-  const int64_t* rows = nullptr;
-  // their scales as floats for the chunk of outputs [o0, o0 + 64) (`expand_stored_scales`): [64, nb]
-  const float* rows_d = nullptr;
 };
-
-constexpr int64_t STORED_Q8_BYTES = 34;
-
-// Output o's stored Q8_0 block b (`Weights::rows`).
-inline const uint8_t* stored_block(const Weights& w, int64_t o, int64_t b) {
-  return reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(w.rows[o])) + b * STORED_Q8_BYTES;
-}
-
-// The stored Q8_0 scales of outputs [o0, o1) as floats, df[(o − o0)·nb + b], converted once per chunk
-// of outputs rather than once per tile of rows.
-inline void expand_stored_scales(const Weights& w, int64_t o0, int64_t o1, float* df) {
-  for (int64_t o = o0; o < o1; ++o)
-    for (int64_t b = 0; b < w.nb; ++b) {
-      uint16_t h;
-      std::memcpy(&h, stored_block(w, o, b), sizeof h);
-      df[(o - o0) * w.nb + b] = half_to_float(h);
-    }
-}
 
 // 32 bytes, byte i = 0xFF where bit i of `bits` is set, else 0.
 inline __m256i bit_mask_bytes(uint32_t bits) {
@@ -427,13 +404,6 @@ inline __m256i block_dot(__m256i wv, __m256i xv) {
 // prefetches two tiles ahead (1.3x on a decode step's products, whose weights stream from memory).
 inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int64_t N) {
   if (first + count > N) return;
-  if (w.rows != nullptr) {  // Q8_0 as stored: each output's blocks, scales among them
-    for (int64_t i = 0; i < count; ++i) {
-      const char* row = reinterpret_cast<const char*>(stored_block(w, first + i, 0));
-      for (int64_t off = 0; off < w.nb * STORED_Q8_BYTES; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-    }
-    return;
-  }
   const char* values = reinterpret_cast<const char*>(w.qs + first * w.row_bytes);
   for (int64_t off = 0; off < count * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
   if (w.sc == nullptr) {
@@ -526,63 +496,34 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
   for (const char* p = base + (o0 >> 3) * nb * 8 * bytes; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
 }
 
-// Q8_0 (NL: IQ4_NL, its levels looked up as int8; ST: Q8_0 as the file stores it): y[j·N + o + i] for i < TO outputs, j < TN activation
+// Q8_0 (NL: IQ4_NL, its levels looked up as int8): y[j·N + o + i] for i < TO outputs, j < TN activation
 // rows (Q4_1-type blocks run on `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K / Q3_K / Q2_K on `tile_s16`).
 // scratch: >= TO·(TN + 1)·nb floats.
-template <int TO, int TN, bool NL = false, bool ST = false>
+template <int TO, int TN, bool NL = false>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
   const int64_t nb = w.nb;
   prefetch_outputs(w, o + 2 * TO, TO, N);
   __m256 acc[TO][TN];
   for (int i = 0; i < TO; ++i)
     for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
-  if constexpr (ST && TN == 1) {  // each block's scale read beside its values (the same float32 dw·dx as below)
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i wv[TO];
-      float dw[TO];
+  float* dw = scratch;                 // [TO, nb]
+  float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
+  for (int i = 0; i < TO; ++i) {
+    halves_to_float(w.d + (o + i) * w.nb, dw + i * nb, w.nb);
+    for (int j = 0; j < TN; ++j) {
+      float* s = sc + (i * TN + j) * nb;
+      const float* dxj = x.d + j * nb;
+      for (int64_t b = 0; b < nb; ++b) s[b] = dw[i * nb + b] * dxj[b];
+    }
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wv[TO];
+    for (int i = 0; i < TO; ++i) wv[i] = load_weights<false, false, NL>(w, o + i, b);
+    for (int j = 0; j < TN; ++j) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
       for (int i = 0; i < TO; ++i) {
-        const uint8_t* block = stored_block(w, o + i, b);
-        uint16_t h;
-        std::memcpy(&h, block, sizeof h);
-        dw[i] = half_to_float(h);
-        wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-      }
-      for (int j = 0; j < TN; ++j) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
-        const float dxj = x.d[j * nb + b];
-        for (int i = 0; i < TO; ++i) {
-          const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * dxj), p, acc[i][j]);
-        }
-      }
-    }
-  } else {
-    float* dw = scratch;                 // [TO, nb]
-    float* sc = dw + TO * nb;            // [TO, TN, nb]: dw·dx per block
-    for (int i = 0; i < TO; ++i) {
-      const float* dwi = dw + i * nb;  // stored Q8_0: the chunk's scales, already floats
-      if constexpr (ST) {
-        dwi = w.rows_d + (o + i - w.o0) * nb;
-      } else {
-        halves_to_float(w.d + (o + i) * w.nb, dw + i * nb, w.nb);
-      }
-      for (int j = 0; j < TN; ++j) {
-        float* s = sc + (i * TN + j) * nb;
-        const float* dxj = x.d + j * nb;
-        for (int64_t b = 0; b < nb; ++b) s[b] = dwi[b] * dxj[b];
-      }
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i wv[TO];
-      for (int i = 0; i < TO; ++i)
-        wv[i] = ST ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stored_block(w, o + i, b) + 2))
-                   : load_weights<false, false, NL>(w, o + i, b);
-      for (int j = 0; j < TN; ++j) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + j * x.K + b * QK));
-        for (int i = 0; i < TO; ++i) {
-          const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (i * TN + j) * nb + b), p, acc[i][j]);
-        }
+        const __m256 p = _mm256_cvtepi32_ps(block_dot<false>(wv[i], xv));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + (i * TN + j) * nb + b), p, acc[i][j]);
       }
     }
   }
@@ -817,11 +758,11 @@ void tile_s16_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x,
   for (; o < o1; ++o) tile_s16<S16, 1, TN>(w, o, x, y, N);
 }
 
-template <int TO, int TN, bool NL = false, bool ST = false>
+template <int TO, int TN, bool NL = false>
 void tile_rows(const Weights& w, int64_t o0, int64_t o1, const Acts& x, float* y, int64_t N, float* scratch) {
   int64_t o = o0;
-  for (; o + TO <= o1; o += TO) tile<TO, TN, NL, ST>(w, o, x, y, N, scratch);
-  for (; o < o1; ++o) tile<1, TN, NL, ST>(w, o, x, y, N, scratch);
+  for (; o + TO <= o1; o += TO) tile<TO, TN, NL>(w, o, x, y, N, scratch);
+  for (; o < o1; ++o) tile<1, TN, NL>(w, o, x, y, N, scratch);
 }
 
 template <int TO, int TN, bool H5 = false>
@@ -1044,9 +985,8 @@ torch::Tensor checked_residual(const std::optional<torch::Tensor>& residual, int
 // Q41: Q4_1-type values (4 bits and a minimum); H5: a fifth bit (qh); KS: K-quant scales (sc, dm);
 // S16: a layout with a scale per 16 values (`Sub16`): Q6_K (qs, q2 passed as qh, d: ds, sc), Q3_K
 // (qs: the 2-bit plane, qh: the third bits, d: ds, sc), Q2_K (qs: the 2-bit plane, d: ds and dmin, sc);
-// NL: IQ4_NL (qs nibbles as Q4_1's, d), run as Q8_0 on its looked-up levels; ST: Q8_0 read where the
-// file stores it (qs: int64 [N] each output's first block's address, `Weights::rows`; d unused).
-template <bool Q41, bool H5 = false, bool KS = false, int S16 = NO_SUB16, bool NL = false, bool ST = false>
+// NL: IQ4_NL (qs nibbles as Q4_1's, d), run as Q8_0 on its looked-up levels.
+template <bool Q41, bool H5 = false, bool KS = false, int S16 = NO_SUB16, bool NL = false>
 torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& m, int64_t mode_in, const std::optional<torch::Tensor>& norm_weight,
                    double eps, const std::optional<torch::Tensor>& residual, const torch::Tensor& qh = torch::Tensor(),
@@ -1060,20 +1000,10 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const Prologue mode = in.mode;
   const int64_t T = in.T, K = in.K, nb = in.nb, n = qs.size(0);
   static_assert(!NL || (!Q41 && S16 == NO_SUB16), "IQ4_NL is a layout of its own");
-  static_assert(!ST || (!Q41 && !NL && S16 == NO_SUB16), "stored Q8_0 is a layout of its own");
   const int64_t row_bytes = Q41 || S6 || NL || SX ? nb * 16 : S3 || S2 ? nb * 8 : K;
-  if (!ST) {
-    TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
-                "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
-  }
-  if (ST) {
-    TORCH_CHECK(qs.dim() == 1 && qs.scalar_type() == torch::kInt64 && qs.is_contiguous() && qs.is_cpu(),
-                "stored Q8_0 rows must be a contiguous int64 CPU vector [N] of addresses, got ", qs.sizes());
-    TORCH_CHECK(d.dim() == 1 && d.numel() == 1 && d.scalar_type() == torch::kInt64 && d.is_cpu(),
-                "stored Q8_0 weights need their width K as a one-element int64 tensor");
-    const int64_t width = *d.data_ptr<int64_t>();  // read directly: no tensor op on a decode step's path
-    TORCH_CHECK(width == K, "stored Q8_0 weights are ", width, " wide, the activations ", K);
-  } else if (SUB) {
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(1) == row_bytes,
+              "block values must be a contiguous 1-byte CPU matrix [N, ", row_bytes, "], got ", qs.sizes());
+  if (SUB) {
     TORCH_CHECK(nb % 8 == 0, "K-quant blocks need K a multiple of 256, got ", K);
     if (S6)
       TORCH_CHECK(qh.defined() && qh.dim() == 2 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
@@ -1137,7 +1067,6 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
                 KS ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr,
                 S6 || S3 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr};
   w_all.scales_per_16 = SUB && !SX;
-  if constexpr (ST) w_all.d = nullptr, w_all.rows = qs.data_ptr<int64_t>();
   const int8_t* qx = buf.q.data();
   const float* dx = buf.d.data();
   const SuperActs super_rows{qx, dx, super_blocks ? buf.sums.data() : nullptr, K};
@@ -1176,21 +1105,16 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   // threads split the outputs at multiples of 8 (the minima's groups; any split gives the same bits)
   at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
     const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
-    thread_local std::vector<float> scratch, minima, k_minima, stored_scales;  // this thread's, reused
+    thread_local std::vector<float> scratch, minima, k_minima;  // this thread's, reused
     scratch.resize(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
     minima.resize(chunk_minima ? T * std::min<int64_t>(ROWS_PER_CHUNK, z - a) : 0);
     k_minima.resize(KS ? ROWS_PER_CHUNK * nb : 0);
-    stored_scales.resize(ST && T > 1 ? ROWS_PER_CHUNK * nb : 0);
     for (int64_t c0 = a; c0 < z; c0 += ROWS_PER_CHUNK) {
       const int64_t c1 = std::min(z, c0 + ROWS_PER_CHUNK);
       Weights w = w_all;  // K-quants: with this chunk's minima expanded
       if constexpr (KS) {
         expand_k_minima(w, c0, c1, k_minima.data());
         w.mf = k_minima.data(), w.o0 = c0;
-      }
-      if (ST && T > 1) {  // tiles of several rows read the chunk's scales as floats (a lone row: inline)
-        expand_stored_scales(w, c0, c1, stored_scales.data());
-        w.rows_d = stored_scales.data(), w.o0 = c0;
       }
       if (chunk_minima) {
         prefetch_minima(w, nb, c1, std::min(z, c1 + ROWS_PER_CHUNK));  // the next chunk's
@@ -1231,12 +1155,12 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
         }
       } else {  // Q8_0, IQ4_NL
         for (; t + 4 <= T; t += 4)
-          tile_rows<ROW_TILE_OUTS, 4, NL, ST>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
+          tile_rows<ROW_TILE_OUTS, 4, NL>(w, c0, c1, all.rows_from(t), yp + t * n, n, scratch.data());
         const Acts rest = all.rows_from(t);
         switch (T - t) {
-          case 3: tile_rows<2, 3, NL, ST>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 2: tile_rows<4, 2, NL, ST>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
-          case 1: tile_rows<1, 1, NL, ST>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 3: tile_rows<2, 3, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 2: tile_rows<4, 2, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
+          case 1: tile_rows<1, 1, NL>(w, c0, c1, rest, yp + t * n, n, scratch.data()); break;
           default: break;
         }
       }
@@ -1559,34 +1483,6 @@ torch::Tensor gemm_q8_0(const torch::Tensor& x, const torch::Tensor& qs, const t
                         const std::optional<torch::Tensor>& norm_weight, double eps,
                         const std::optional<torch::Tensor>& residual) {
   return gemm<false>(x, qs, d, d, prologue, norm_weight, eps, residual);
-}
-
-torch::Tensor gemm_q8_0_stored(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& width,
-                               int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
-                               const std::optional<torch::Tensor>& residual) {
-  return gemm<false, false, false, NO_SUB16, false, true>(x, rows, width, rows, prologue, norm_weight, eps, residual);
-}
-
-// Stored Q8_0 rows (`gemm_q8_0_stored`'s addresses, int64 [R]) -> (q int8 [R, K], d float16 [R, K/32]).
-std::vector<torch::Tensor> unpack_q8_0_stored(const torch::Tensor& rows, int64_t K) {
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.is_contiguous() && rows.is_cpu(),
-              "stored Q8_0 rows must be a contiguous int64 CPU vector of addresses");
-  TORCH_CHECK(K > 0 && K % QK == 0, "K must be a positive multiple of 32, got ", K);
-  const int64_t R = rows.size(0), nb = K / QK;
-  torch::Tensor q = torch::empty({R, K}, torch::kInt8), d = torch::empty({R, nb}, torch::kFloat16);
-  Weights w{nullptr, nullptr, nullptr, nb, 0};
-  w.rows = rows.data_ptr<int64_t>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  uint8_t* dp = reinterpret_cast<uint8_t*>(d.data_ptr());
-  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = stored_block(w, r, b);
-        std::memcpy(dp + (r * nb + b) * 2, block, 2);
-        std::memcpy(qp + r * K + b * QK, block + 2, QK);
-      }
-  });
-  return {q, d};
 }
 
 torch::Tensor gemm_iq4_xs(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& sc,
@@ -2036,12 +1932,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q2_k", &gemm_q2_k, "y [T, N] = x [T, K] float32 times Q2_K values (qs uint8 [N, K/4] the file's 2-bit fields, d fp16 [N, K/128] (ds, dmin) per 256, sc uint8 [N, K/16] scale | min << 4)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0", &gemm_q8_0, "y [T, N] = x [T, K] float32 times Q8_0 weights (qs int8 [N, K], d fp16 [N, K/32])",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_q8_0_stored", &gemm_q8_0_stored, "y [T, N] = x [T, K] float32 times Q8_0 weights read where the file "
-        "stores them (rows int64 [N]: the address of each output's first 34-byte block, fp16 d then 32 int8; width "
-        "int64 [1]: K)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("unpack_q8_0_stored", &unpack_q8_0_stored, "stored Q8_0 rows (int64 [R] addresses) -> (q int8 [R, K], d fp16 [R, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_iq4_xs", &gemm_iq4_xs, "y [T, N] = x [T, K] float32 times IQ4_XS weights (qs uint8 [N, K/2] nibbles as "
         "Q4_1's, d fp16 [N, K/256], sc int8 [N, K/32] the 6-bit scales - 32)",
