@@ -313,6 +313,15 @@ def test_interleaved_signed_blocks_keep_the_values_and_their_rows():
         qs, d = torch.zeros_like(r8.qs), torch.zeros_like(r8.d)
         bg.repack_rows("IQ4_NL", stored, 0, qs, d, outputs=n)
         assert torch.equal(qs, r8.qs) and torch.equal(d, r8.d)
+    # parts fused along N, the second starting inside a group and stored in a permuted order
+    b = random_blocks("q8_0", 37, 64, seed=5)
+    w = b.to_block_weights()
+    qs, d = torch.zeros_like(w.qs), torch.zeros_like(w.d)
+    raw = stored_q8_0_bytes(b.q, b.d)
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(2))
+    bg.repack_rows("Q8_0", raw[:5].contiguous(), 0, qs, d, outputs=37)
+    bg.repack_rows("Q8_0", raw[5:][order].contiguous(), 5, qs, d, order=torch.argsort(order), outputs=37)
+    assert torch.equal(qs, w.qs) and torch.equal(d, w.d)
     with pytest.raises(RuntimeError, match="interleaved only"):
         bg.repack_rows("Q8_0", stored_q8_0_bytes(b.q, b.d), 0, torch.empty(21, 96, dtype=torch.int8),
                        torch.empty(21, 3, dtype=torch.float16))

@@ -1696,6 +1696,62 @@ void repack_iq4_xs_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint16_t* d
   }
 }
 
+// 8 rows of 8 dwords -> their transpose: v[j] dword r = v_in[r] dword j (Q8_0's interleaved runs: run j holds
+// values 4j..4j+3 of each of the group's 8 outputs).
+inline void transpose_dwords_8x8(__m256i* v) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);      // r0[0] r1[0] r0[1] r1[1] | r0[4] r1[4] ..
+    t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);  // r0[2] r1[2] r0[3] r1[3] | r0[6] ..
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 2; ++h) {
+      u[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // dword 2h (| 2h + 4) of 4 rows
+      u[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // dword 2h + 1 (| 2h + 5)
+    }
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+    v[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+  }
+}
+
+// Stored Q8_0 rows -> q8_0_r8 (qs [G, nb, 256], d [G, nb, 8]) for outputs [row0, row0 + r): output o is stored
+// row `source(o)`. A group of 8 outputs all in the range goes by one 8x8 dword transpose per block (the
+// values' 32-byte runs written whole); the outputs of a group the range cuts, one by one.
+template <typename Source>
+void repack_q8_0_r8(const uint8_t* src, int64_t bytes, int64_t nb, int64_t row0, int64_t r, Source source,
+                    uint8_t* qs, uint16_t* d) {
+  const int64_t g0 = row0 / 8, g1 = (row0 + r + 7) / 8;
+  at::parallel_for(g0, g1, 8, [&](int64_t ga, int64_t gb) {
+    for (int64_t g = ga; g < gb; ++g) {
+      uint8_t* out = qs + g * nb * 2 * R8_BLOCK_BYTES;
+      uint16_t* dout = d + g * nb * 8;
+      if (g * 8 >= row0 && g * 8 + 8 <= row0 + r) {
+        const uint8_t* rows[8];
+        for (int k = 0; k < 8; ++k) rows[k] = src + source(g * 8 + k - row0) * bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          __m256i v[8];
+          for (int k = 0; k < 8; ++k) {
+            v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k] + b * 34 + 2));
+            dout[b * 8 + k] = load_u16(rows[k] + b * 34);
+          }
+          transpose_dwords_8x8(v);
+          for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 256 + 32 * j), v[j]);
+        }
+        continue;
+      }
+      for (int64_t o = std::max(g * 8, row0); o < std::min(g * 8 + 8, row0 + r); ++o) {
+        const uint8_t* row = src + source(o - row0) * bytes;
+        const int64_t lane = o % 8;
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int j = 0; j < 8; ++j) std::memcpy(out + b * 256 + 32 * j + 4 * lane, row + b * 34 + 2 + 4 * j, 4);
+          dout[b * 8 + lane] = load_u16(row + b * 34);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 T* rows_of(const std::optional<torch::Tensor>& t, int64_t row0, const char* name, int64_t n) {
   TORCH_CHECK(t.has_value() && t->is_contiguous() && t->dim() >= 1 && t->size(0) == n, "repack: ", name,
@@ -1785,20 +1841,19 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     }
   }
   const uint8_t* src = raw.data_ptr<uint8_t>();
+  if (r8 && type == Stored::Q8_0) {
+    if (order_p != nullptr)
+      repack_q8_0_r8(src, bytes, nb, row0, r, [&](int64_t i) { return order_p[i]; }, qs_p, d_p);
+    else
+      repack_q8_0_r8(src, bytes, nb, row0, r, [](int64_t i) { return i; }, qs_p, d_p);
+    return 0;
+  }
   std::atomic<int64_t> bad{0};
   at::parallel_for(0, r, 64, [&](int64_t begin, int64_t end) {
     int64_t local = 0;
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = src + (order_p != nullptr ? order_p[i] : i) * bytes;
-      if (r8 && type == Stored::Q8_0) {  // block b's run j: values 4j..4j+3 of output o at 4·lane
-        const int64_t o = row0 + i, g = o / 8, lane = o % 8;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* x = row + b * 34;
-          uint8_t* out = qs_p + (g * nb + b) * 2 * R8_BLOCK_BYTES + 4 * lane;
-          for (int j = 0; j < 8; ++j) std::memcpy(out + 32 * j, x + 2 + 4 * j, 4);
-          d_p[(g * nb + b) * 8 + lane] = load_u16(x);
-        }
-      } else if (r8) {  // the row's blocks as q4_1 rows are laid out, then into output o's lanes of its group
+      if (r8) {  // the row's blocks as q4_1 rows are laid out, then into output o's lanes of its group
         thread_local std::vector<uint8_t> row_qs;
         thread_local std::vector<uint16_t> row_d;
         thread_local std::vector<uint32_t> row_qh;
