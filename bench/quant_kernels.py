@@ -52,7 +52,8 @@ def run(rows: list[int], float32_kernel_rows: list[int]) -> dict:
              ("int8", torch.float32): int8_from_float(w, torch.float32, keep_dense=False),
              ("int4", torch.float32): int4_from_float(w, torch.float32, keep_dense=False)}
         blocks = {}
-        if block_gemm.available():  # forklm's AVX2 kernel on GGUF blocks (random values of the file's types)
+        if block_gemm.available():  # forklm's AVX2 kernel on GGUF blocks (random values of the file's types;
+            # since 2026-11-28 both run interleaved, q4_1_r8 / q8_0_r8: the labels keep the types' names)
             nb = k // 32
             d = (torch.rand(n, nb) * 0.01).half().float()
             blocks["q4_1"] = BlockQuantized("q4_1", torch.randint(0, 16, (n, k), dtype=torch.uint8), d,

@@ -322,6 +322,21 @@ def test_interleaved_signed_blocks_keep_the_values_and_their_rows():
     bg.repack_rows("Q8_0", raw[:5].contiguous(), 0, qs, d, outputs=37)
     bg.repack_rows("Q8_0", raw[5:][order].contiguous(), 5, qs, d, order=torch.argsort(order), outputs=37)
     assert torch.equal(qs, w.qs) and torch.equal(d, w.d)
+    with pytest.raises(RuntimeError, match="need the output count"):
+        bg.repack_rows("Q8_0", raw, 0, qs, d)
+    with pytest.raises(RuntimeError, match="interleaved qs / d"):  # a 4-bit shape for Q8_0's values
+        bg.repack_rows("Q8_0", raw, 0, torch.zeros(5, 2, 128, dtype=torch.int8), d, outputs=37)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"\[5, 2, 256\]"):
+        bg._extension().gemm_q8_0_r8(x, torch.zeros(5, 2, 128, dtype=torch.int8), w.d, w.count, 0, None, 0.0, None)
+    with pytest.raises(RuntimeError, match="output count N"):
+        bg._extension().gemm_q8_0_r8(x, w.qs, w.d, torch.tensor([37, 1]), 0, None, 0.0, None)
+    with pytest.raises(RuntimeError, match="scales d"):
+        bg._extension().gemm_q8_0_r8(x, w.qs, w.d[:, :1].contiguous(), w.count, 0, None, 0.0, None)
+    with pytest.raises(IndexError, match="asked of 37"):
+        w.rows(torch.tensor([0, 37]))  # a padding lane of the last group is no row
+    assert bg.repack_rows("Q8_0", raw[:0], 0, torch.zeros(0, 2, 256, dtype=torch.int8),
+                          torch.zeros(0, 2, 8, dtype=torch.float16), outputs=0) == 0
     with pytest.raises(RuntimeError, match="interleaved only"):
         bg.repack_rows("Q8_0", stored_q8_0_bytes(b.q, b.d), 0, torch.empty(21, 96, dtype=torch.int8),
                        torch.empty(21, 3, dtype=torch.float16))
@@ -608,7 +623,7 @@ def test_int4_from_a_float_checkpoint_runs_as_q4_1_blocks():
 
 @pytest.mark.parametrize("kind", ["q4_1", "q5_1", "q8_0", "q8_0_r8"])
 def test_non_finite_activations_reach_the_output_and_tiny_blocks_are_zero(kind):
-    w = block_weights_of(kind, random_blocks("q8_0" if kind == "q8_0_r8" else kind, 40, 64, seed=9))
+    w = block_weights_of(kind, random_blocks(kind, 40, 64, seed=9))
     x = torch.randn(4, 64)
     x[1, 5] = float("nan")
     x[2, 40] = float("inf")
@@ -680,7 +695,8 @@ def test_every_row_count_gives_each_row_its_lone_products_bit_for_bit(kind):
 
 def test_a_q8_0_file_runs_interleaved_in_memory_of_its_own(smollm2_gguf):
     """A GGUF file's Q8_0 tensors (SmolLM2's tied LM head) are repacked once into q8_0_r8, outside the
-    file's mapping, holding the file's values: its products are the plain layout's to rounding."""
+    file's mapping, holding the file's values: its products are the plain layout's to rounding (the
+    plain tile sums 8 lanes per output before its float step, the interleaved one a block: other bits)."""
     import os
 
     from forklm import LLM

@@ -142,8 +142,8 @@ def test_bad_shapes_are_clear_errors():
                                ["IQ4_XS", "IQ4_XS"])
        for k in (256, 1536)])
 def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / K-quant bytes repacked once for forklm's block kernel, Q8_0 read
-    where it is stored (quant.stored_block_weights: Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks with minimum −8d / −16d; Q4_K /
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / K-quant bytes repacked once for forklm's block kernel
+    (quant.stored_block_weights: Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks with minimum −8d / −16d; Q4_K /
     Q5_K values in Q4_1's order, their 6-bit scales a byte each; Q2_K / Q3_K's 2-bit fields and Q3_K's
     third-bit masks as stored, a scale per 16; IQ4_NL's and IQ4_XS's nibbles as stored, IQ4_XS's scales a
     byte per 32) hold the values gguf's numpy

@@ -276,7 +276,9 @@ class BlockWeights:
         return q, d, m
 
     def rows(self, ids: torch.Tensor) -> BlockWeights:
-        """The weight rows `ids` (int64 [R]) as blocks of their own."""
+        """The weight rows `ids` (int64 [R]) as blocks of their own (IndexError for an id outside 0..N-1)."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
+            raise IndexError(f"weight rows {ids.min().item()}..{ids.max().item()} asked of {self.n}")
         if self.kind in R8_KINDS:  # only the groups that hold them are read (an embedding lookup)
             groups, local = torch.unique(ids // 8, return_inverse=True)
             pick = lambda t: None if t is None else t.index_select(0, groups)

@@ -15,10 +15,10 @@
 //         per 16 values (the file's 6-bit scale − 32) under a float16 ds per 256
 //   Q2_K  w = ds·sc·q − dmin·mn, q in 0..3 (the file's 2-bit fields as stored), sc and mn 4 bits each
 //         per 16 values (the file's byte), ds and dmin float16 per 256
-//   (Q4_0 / Q4_1 / Q5_0 / Q5_1 files run these values in an 8-output interleaved layout, `gemm_r8`;
-//   the plain Q4_1 / Q5_1 layouts above serve the tests and older-build comparisons)
 //   Q8_0  w = d·q, q int8
 //   IQ4_NL w = d·t[q], q in 0..15 (Q4_1's nibbles), t ggml's 16 non-linear int8 levels (`tile` with NL)
+//   (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL files run these values in 8-output interleaved layouts,
+//   `gemm_r8`; the plain Q4_1 / Q5_1 / Q8_0 / IQ4_NL layouts above serve the tests and older-build comparisons)
 // Activations x [T, K] float32 are quantized per row and block of 32 (Q8):
 //   dx = max|x| / 127, q = round_half_even(x · (1/dx)) in [-127, 127], sx = dx · Σq
 // and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`). For K-quant weights the
@@ -935,7 +935,7 @@ constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while t
 // share each activation load twice as widely. K-quant tiles hold an integer and a float accumulator
 // per (output, row): one output by 4 rows. A lone row (a decode step of one sample) takes one output
 // at a time on most layouts: its products stream their weights from memory (two or four at a time
-// were no faster on K-quants and IQ4_NL, and 1.5-1.8x slower on stored Q8_0).
+// were no faster on K-quants and IQ4_NL, and 1.5-1.8x slower on Q8_0 read where the file stored it).
 constexpr int ROW_TILE_OUTS = FORKLM_VNNI ? 4 : 2;
 // Q4_1-type outputs per tile of a lone row: on the AVX2 build two independent chains sharing the
 // row's loads, each output's operations those of a tile of one (measured faster than one or four,
@@ -1173,7 +1173,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
 }
 
 // ----------------------------------------------------------------------------- 4- and 5-bit blocks, 8 outputs interleaved
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 weights (what GGUF files and `quantize="int4"` load as) repacked once at load
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 weights (what GGUF files and `quantize="int4"` load as; Q8_0 / IQ4_NL below,
+// `tile_r8_signed`) repacked once at load
 // with the blocks of 8 outputs side by side (`q4_0_r8`, `q4_1_r8`, `q5_0_r8`, `q5_1_r8`: the
 // row-interleaved idea of llama.cpp's repacked Q4_0 and ik_llama.cpp's `_r8` types; this layout and its
 // arithmetic are forklm's own; Q5's fifth bits: `tile_r8`):
@@ -1191,6 +1192,12 @@ constexpr int64_t R8_BLOCK_BYTES = 128;
 // streams them from memory; the groups lie one after another, so the stream runs on into the next).
 // A burst of the whole group two groups ahead was 10-25% slower at 1-8 rows on a 1B step (by hand).
 constexpr int64_t R8_PREFETCH_BYTES = 2048;
+
+// Asks for the cache line `bytes` past p (the address formed as an integer: near the end of the
+// weights it lies past them, where a prefetch is harmless but a pointer would not be valid C++).
+inline void prefetch_ahead(const void* p, int64_t bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)), _MM_HINT_T0);
+}
 
 // Σ q of each block of 32 activations (Q4_0's −8·Σ q_x, in integers).
 inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
@@ -1214,11 +1221,10 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
     if (prefetch) {  // the values R8_PREFETCH_BYTES ahead, the scales, minima and fifth bits as far in blocks
-      const char* ahead = reinterpret_cast<const char*>(w) + R8_PREFETCH_BYTES;
-      _mm_prefetch(ahead, _MM_HINT_T0), _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(wd + b * 8) + R8_PREFETCH_BYTES / 8, _MM_HINT_T0);
-      if (MIN && b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(wm + b * 8) + R8_PREFETCH_BYTES / 8, _MM_HINT_T0);
-      if (H5 && b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wh + b * 32) + R8_PREFETCH_BYTES / 4, _MM_HINT_T0);
+      prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
+      if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES / 8);
+      if (MIN && b % 4 == 0) prefetch_ahead(wm + b * 8, R8_PREFETCH_BYTES / 8);
+      if (H5 && b % 2 == 0) prefetch_ahead(wh + b * 32, R8_PREFETCH_BYTES / 4);
     }
     __m256i fifth = _mm256_setzero_si256();
     if constexpr (H5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + b * 32));
@@ -1271,8 +1277,8 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * BYTES;
     if (prefetch) {  // as `tile_r8`
-      for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(w) + R8_PREFETCH_BYTES + i, _MM_HINT_T0);
-      if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(wd + b * 8) + R8_PREFETCH_BYTES * 16 / BYTES, _MM_HINT_T0);
+      for (int64_t i = 0; i < BYTES; i += 64) prefetch_ahead(w, R8_PREFETCH_BYTES + i);
+      if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES * 16 / BYTES);
     }
     __m256i isum[TN];
     for (int t = 0; t < TN; ++t) isum[t] = _mm256_setzero_si256();
@@ -1780,6 +1786,10 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
               "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 (with their minima m [N, K/32]), Q8_0 and IQ4_NL blocks repack interleaved");
   TORCH_CHECK(r8 || type != Stored::Q8_0, "repack: Q8_0 blocks repack interleaved only");
   TORCH_CHECK(!r8 || outputs >= 0, "repack: interleaved blocks need the output count");
+  if ((r8 ? outputs : qs.size(0)) == 0) {
+    TORCH_CHECK((order.has_value() ? order->size(0) : raw.size(0)) == 0, "repack: rows given for 0 outputs");
+    return 0;
+  }
   const int64_t n = r8 ? outputs : qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
   TORCH_CHECK(!r8 || !m.has_value() || m->size(0) == n, "repack: m has ", m.has_value() ? m->size(0) : 0,
               " rows for ", n, " outputs");
@@ -1799,7 +1809,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
   const int64_t groups = (n + 7) / 8, group_block_bytes = type == Stored::Q8_0 ? 2 * R8_BLOCK_BYTES : R8_BLOCK_BYTES;
   if (r8)
-    TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.size(0) == groups && qs.size(1) == nb &&
+    TORCH_CHECK(qs.is_cpu() && d.is_cpu() && qs.is_contiguous() && qs.element_size() == 1 && qs.size(0) == groups && qs.size(1) == nb &&
                     qs.size(2) == group_block_bytes && d.is_contiguous() && d.scalar_type() == torch::kFloat16 &&
                     d.dim() == 3 && d.size(0) == groups && d.size(1) == nb && d.size(2) == 8,
                 "repack: interleaved qs / d must be contiguous [", groups, ", ", nb, ", ", group_block_bytes,
