@@ -798,3 +798,4 @@ def test_weight_rows_of_every_layout_are_those_rows(kind):
     w = random_weights(kind, 37, k, seed=1)
     ids = torch.tensor([5, 0, 36, 17, 8, 9, 9])
     assert torch.equal(w.rows(ids).dequantize(), w.dequantize()[ids])
+    assert torch.equal(w.dequantize_rows(ids), w.dequantize()[ids])  # the lookup's own path

@@ -245,8 +245,7 @@ class BlockWeights:
         if self.kind == "q8_0":
             return self.qs, self.d.float(), None
         if self.kind in R8_KINDS:
-            q, d, m = deinterleave_r8(self).unpack()
-            return q, d, ({"q4_0_r8": -8 * d, "q5_0_r8": -16 * d}.get(self.kind, m))
+            return self._unpack_r8(deinterleave_r8(self))
         if self.kind in ("q3_k", "q2_k"):
             q = unpack_k_fields(self.qs, self.n, self.k)
             if self.kind == "q3_k":
@@ -275,16 +274,21 @@ class BlockWeights:
         m = unblock_minima(self.dm, self.n).float().repeat_interleave(8, dim=1) * unblock_minima(self.m, self.n).float()
         return q, d, m
 
-    def rows(self, ids: torch.Tensor) -> BlockWeights:
-        """The weight rows `ids` (int64 [R]) as blocks of their own (IndexError for an id outside 0..N-1)."""
+    def _unpack_r8(self, plain: BlockWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`unpack` of this interleaved layout's rows laid out plain (`deinterleave_r8`): Q4_0 / Q5_0's
+        minima −8d / −16d formed in float32, not taken from the plain layout's float16."""
+        q, d, m = plain.unpack()
+        return q, d, {"q4_0_r8": -8 * d, "q5_0_r8": -16 * d}.get(self.kind, m)
+
+    def _check_rows(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise IndexError(f"weight rows {ids.min().item()}..{ids.max().item()} asked of {self.n}")
-        if self.kind in R8_KINDS:  # only the groups that hold them are read (an embedding lookup)
-            groups, local = torch.unique(ids // 8, return_inverse=True)
-            pick = lambda t: None if t is None else t.index_select(0, groups)
-            sub = BlockWeights(self.kind, pick(self.qs), pick(self.d), pick(self.m), 8 * int(groups.numel()), self.k,
-                               pick(self.qh))
-            return interleave_r8(deinterleave_r8(sub).rows(local * 8 + ids % 8), minima=self.m is not None)
+
+    def rows(self, ids: torch.Tensor) -> BlockWeights:
+        """The weight rows `ids` (int64 [R]) as blocks of their own (IndexError for an id outside 0..N-1)."""
+        self._check_rows(ids)
+        if self.kind in R8_KINDS:  # only their lanes are read (an embedding lookup)
+            return interleave_r8(deinterleave_r8(self, ids), minima=self.m is not None)
         pick = lambda t: None if t is None else t.index_select(0, ids)
         regroup = lambda t: None if t is None else block_minima(unblock_minima(t, self.n).index_select(0, ids))
         return BlockWeights(self.kind, pick(self.qs), pick(self.d), regroup(self.m), int(ids.numel()), self.k,
@@ -293,6 +297,14 @@ class BlockWeights:
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block of the unpacked values."""
         return dequantize_values(*self.unpack())
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [R, K]: `rows(ids).dequantize()` (an embedding lookup; interleaved layouts read the rows
+        from their lanes without laying them out interleaved again)."""
+        if self.kind not in R8_KINDS:
+            return self.rows(ids).dequantize()
+        self._check_rows(ids)
+        return dequantize_values(*self._unpack_r8(deinterleave_r8(self, ids)))
 
 
 def dequantize_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
@@ -385,10 +397,11 @@ def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 8, nb, 4).permute(0, 2, 1, 3).reshape(-1, nb, 32).contiguous()
 
 
-def _fifth_bit_words(qh8: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of `_fifth_bit_bytes`: [⌈N/8⌉, nb, 32] -> arranged int32 words [N, nb]."""
-    groups, nb, _ = qh8.shape
-    byte = qh8.view(groups, nb, 8, 4).permute(0, 2, 1, 3).reshape(groups * 8, nb, 4)[:n].long()  # [N, nb, k]
+def _fifth_bit_words(byte: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_fifth_bit_bytes`, per output: its bytes uint8 [N, nb, 4] (byte k of a block: bit j
+    value 4j + k's fifth bit, bit 4 + j value 16 + 4j + k's) -> arranged int32 words [N, nb]."""
+    n, nb, _ = byte.shape
+    byte = byte.long()
     bits = (byte.unsqueeze(-1) >> torch.arange(8)) & 1  # [N, nb, k, p]
     lo, hi = bits[..., :4].transpose(-1, -2), bits[..., 4:].transpose(-1, -2)  # [N, nb, j, k]
     raw = torch.cat([lo.reshape(n, nb, 16), hi.reshape(n, nb, 16)], -1)  # value 4j + k, then 16 + 4j + k
@@ -426,24 +439,23 @@ def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
                         count=torch.tensor([n], dtype=torch.int64))
 
 
-def deinterleave_r8(w: BlockWeights) -> BlockWeights:
+def deinterleave_r8(w: BlockWeights, ids: torch.Tensor | None = None) -> BlockWeights:
     """The inverse of `interleave_r8`, as plain q4_1 / q5_1 / q8_0 / iq4_nl blocks (q4_0_r8 / q5_0_r8: minima
-    −8d / −16d in float16, which `unpack` forms in float32 instead)."""
-    n, nb = w.n, w.k // BLOCK
-    groups = w.qs.shape[0]
-    if w.kind == "q8_0_r8":
-        qs = w.qs.view(groups, nb, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, w.k)[:n].contiguous()
-        return BlockWeights("q8_0", qs, unblock_minima(w.d, n).contiguous(), None, n, w.k)
-    if w.kind == "iq4_nl_r8":
-        four = deinterleave_r8(BlockWeights("q4_0_r8", w.qs, w.d, None, n, w.k, count=w.count))
-        return BlockWeights("iq4_nl", four.qs, four.d, None, n, w.k)
-    qs = w.qs.view(groups, nb, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups * 8, nb * 16)[:n].contiguous()
-    d = unblock_minima(w.d, n).contiguous()
+    −8d / −16d in float16, which `unpack` forms in float32 instead); with `ids` (int64 [R], each below N)
+    only those outputs, each gathered from its group's lane (an embedding lookup reads no more)."""
+    nb = w.k // BLOCK
+    ids = torch.arange(w.n) if ids is None else ids
+    group, lane, r = ids // 8, ids % 8, int(ids.numel())
+    runs = 8 if w.kind == "q8_0_r8" else 4  # of 4 bytes per output and block
+    qs = w.qs.view(-1, nb, runs, 8, 4)[group, :, :, lane, :].reshape(r, nb * runs * 4)  # [R, nb, run, byte]
+    d = w.d[group, :, lane]  # [R, nb]
+    if w.kind in ("q8_0_r8", "iq4_nl_r8"):
+        return BlockWeights(w.kind[:-3], qs, d, None, r, w.k)
     five = w.qh is not None
-    m = w.m if w.m is not None else block_minima((-(16 if five else 8) * d.float()).half())
+    m = block_minima(w.m[group, :, lane] if w.m is not None else (-(16 if five else 8) * d.float()).half())
     if five:
-        return BlockWeights("q5_1", qs, d, m, n, w.k, _fifth_bit_words(w.qh, n))
-    return BlockWeights("q4_1", qs, d, m, n, w.k)
+        return BlockWeights("q5_1", qs, d, m, r, w.k, _fifth_bit_words(w.qh.view(-1, nb, 8, 4)[group, :, lane, :]))
+    return BlockWeights("q4_1", qs, d, m, r, w.k)
 
 
 def pack_q4_1_r8(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights:

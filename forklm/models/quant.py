@@ -248,7 +248,7 @@ class BlockLinear(QuantizedLinear):
         whose dense copy is rounded to bfloat16)."""
         if self.blocks is None:
             raise ValueError("row lookups are for a single (unfused) table")
-        return self.blocks.rows(ids).dequantize()
+        return self.blocks.dequantize_rows(ids)
 
     def kernel_tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in p.tensors()]

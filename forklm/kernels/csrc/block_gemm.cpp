@@ -1188,6 +1188,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
 // chain over the blocks, the same whatever tile of rows it lands in:
 //   acc = fma(d·dx_b, float(Σ q_w·q_x − 8·Σ q_x [Q4_0]), acc);  acc = fma(m, sx_b, acc) [Q4_1]
 constexpr int64_t R8_BLOCK_BYTES = 128;
+constexpr int64_t R8_Q8_BLOCK_BYTES = 256;  // q8_0_r8: 8 outputs' 32 int8 values a block
+constexpr int64_t Q8_0_STORED_BYTES = 34;   // a GGUF Q8_0 block: float16 d, then 32 int8 values
 // How far ahead of the block it reads a group's first tile of rows asks for the weights (a decode step
 // streams them from memory; the groups lie one after another, so the stream runs on into the next).
 // A burst of the whole group two groups ahead was 10-25% slower at 1-8 rows on a 1B step (by hand).
@@ -1271,7 +1273,7 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
 template <bool NL, int TN>
 inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, const int8_t* xq, const float* dx,
                            int64_t K, __m256* acc, bool prefetch) {
-  constexpr int64_t BYTES = NL ? 128 : 256;
+  constexpr int64_t BYTES = NL ? R8_BLOCK_BYTES : R8_Q8_BLOCK_BYTES;
   const __m256i low4 = _mm256_set1_epi8(0x0F), levels = iq4nl_levels();
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -1307,7 +1309,7 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
 
 enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL };
 
-// L: the layout (q4_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m). count:
+// L: the layout (q4_0_r8, iq4_nl_r8, q8_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m). count:
 // int64 [1] holding N (the last group may be padded).
 template <int L>
 torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
@@ -1316,7 +1318,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
                       const std::optional<torch::Tensor>& residual) {
   constexpr bool MIN = L == R8_Q4_1 || L == R8_Q5_1, H5 = L == R8_Q5_0 || L == R8_Q5_1;
   constexpr bool SIGNED = L == R8_Q8_0 || L == R8_IQ4_NL;
-  constexpr int64_t BLOCK_BYTES = L == R8_Q8_0 ? 2 * R8_BLOCK_BYTES : R8_BLOCK_BYTES;
+  constexpr int64_t BLOCK_BYTES = L == R8_Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES;
   const ProductInput in = product_input(x_in, mode_in, norm_weight);
   const torch::Tensor& x = in.x;
   const Prologue mode = in.mode;
@@ -1722,15 +1724,15 @@ inline void transpose_dwords_8x8(__m256i* v) {
 }
 
 // Stored Q8_0 rows -> q8_0_r8 (qs [G, nb, 256], d [G, nb, 8]) for outputs [row0, row0 + r): output o is stored
-// row `source(o)`. A group of 8 outputs all in the range goes by one 8x8 dword transpose per block (the
+// row order[o − row0] (order null: row o − row0). A group of 8 outputs all in the range goes by one 8x8 dword transpose per block (the
 // values' 32-byte runs written whole); the outputs of a group the range cuts, one by one.
-template <typename Source>
-void repack_q8_0_r8(const uint8_t* src, int64_t bytes, int64_t nb, int64_t row0, int64_t r, Source source,
+void repack_q8_0_r8(const uint8_t* src, int64_t bytes, int64_t nb, int64_t row0, int64_t r, const int64_t* order,
                     uint8_t* qs, uint16_t* d) {
+  const auto source = [&](int64_t i) { return order != nullptr ? order[i] : i; };
   const int64_t g0 = row0 / 8, g1 = (row0 + r + 7) / 8;
   at::parallel_for(g0, g1, 8, [&](int64_t ga, int64_t gb) {
     for (int64_t g = ga; g < gb; ++g) {
-      uint8_t* out = qs + g * nb * 2 * R8_BLOCK_BYTES;
+      uint8_t* out = qs + g * nb * R8_Q8_BLOCK_BYTES;
       uint16_t* dout = d + g * nb * 8;
       if (g * 8 >= row0 && g * 8 + 8 <= row0 + r) {
         const uint8_t* rows[8];
@@ -1738,11 +1740,12 @@ void repack_q8_0_r8(const uint8_t* src, int64_t bytes, int64_t nb, int64_t row0,
         for (int64_t b = 0; b < nb; ++b) {
           __m256i v[8];
           for (int k = 0; k < 8; ++k) {
-            v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k] + b * 34 + 2));
-            dout[b * 8 + k] = load_u16(rows[k] + b * 34);
+            v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[k] + b * Q8_0_STORED_BYTES + 2));
+            dout[b * 8 + k] = load_u16(rows[k] + b * Q8_0_STORED_BYTES);
           }
           transpose_dwords_8x8(v);
-          for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 256 + 32 * j), v[j]);
+          for (int j = 0; j < 8; ++j)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * R8_Q8_BLOCK_BYTES + 32 * j), v[j]);
         }
         continue;
       }
@@ -1750,8 +1753,9 @@ void repack_q8_0_r8(const uint8_t* src, int64_t bytes, int64_t nb, int64_t row0,
         const uint8_t* row = src + source(o - row0) * bytes;
         const int64_t lane = o % 8;
         for (int64_t b = 0; b < nb; ++b) {
-          for (int j = 0; j < 8; ++j) std::memcpy(out + b * 256 + 32 * j + 4 * lane, row + b * 34 + 2 + 4 * j, 4);
-          dout[b * 8 + lane] = load_u16(row + b * 34);
+          const uint8_t* block = row + b * Q8_0_STORED_BYTES;
+          for (int j = 0; j < 8; ++j) std::memcpy(out + b * R8_Q8_BLOCK_BYTES + 32 * j + 4 * lane, block + 2 + 4 * j, 4);
+          dout[b * 8 + lane] = load_u16(block);
         }
       }
     }
@@ -1798,7 +1802,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     TORCH_CHECK(order_p[i] >= 0 && order_p[i] < raw.size(0), "repack: row order entry ", order_p[i], " outside the ",
                 raw.size(0), " stored rows");
   TORCH_CHECK(row0 >= 0 && row0 + r <= n, "repack: rows ", row0, "..", row0 + r, " past the ", n, " outputs");
-  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, 34, 144, 176, 210, 110, 84, 18, 136, 0};
+  static constexpr int64_t kBlockBytes[] = {18, 20, 22, 24, Q8_0_STORED_BYTES, 144, 176, 210, 110, 84, 18, 136, 0};
   const int64_t block_bytes = kBlockBytes[static_cast<int>(type)];
   TORCH_CHECK(block_bytes > 0, "repack: no block-kernel layout for GGUF type ", type_name);
   TORCH_CHECK(bytes % block_bytes == 0, "repack: a row of ", bytes, " bytes is not whole ", type_name, " blocks");
@@ -1807,7 +1811,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
   const int64_t nb = legacy || type == Stored::Q8_0 ? blocks : blocks * 8;  // blocks of 32 per row
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
-  const int64_t groups = (n + 7) / 8, group_block_bytes = type == Stored::Q8_0 ? 2 * R8_BLOCK_BYTES : R8_BLOCK_BYTES;
+  const int64_t groups = (n + 7) / 8, group_block_bytes = type == Stored::Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES;
   if (r8)
     TORCH_CHECK(qs.is_cpu() && d.is_cpu() && qs.is_contiguous() && qs.element_size() == 1 && qs.size(0) == groups && qs.size(1) == nb &&
                     qs.size(2) == group_block_bytes && d.is_contiguous() && d.scalar_type() == torch::kFloat16 &&
@@ -1852,10 +1856,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   }
   const uint8_t* src = raw.data_ptr<uint8_t>();
   if (r8 && type == Stored::Q8_0) {
-    if (order_p != nullptr)
-      repack_q8_0_r8(src, bytes, nb, row0, r, [&](int64_t i) { return order_p[i]; }, qs_p, d_p);
-    else
-      repack_q8_0_r8(src, bytes, nb, row0, r, [](int64_t i) { return i; }, qs_p, d_p);
+    repack_q8_0_r8(src, bytes, nb, row0, r, order_p, qs_p, d_p);
     return 0;
   }
   std::atomic<int64_t> bad{0};
