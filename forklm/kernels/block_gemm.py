@@ -189,9 +189,10 @@ class BlockWeights:
           −dmin, grouped the same way): w = ds·sc·q + dm·mq, each product exact in float32.
     q5_k: q4_k's arrays and q5_1's qh.
     q6_k: GGUF Q6_K (K a multiple of 256): qs as q4_1's (the values' low 4 bits), q2 uint8 [N, K/4]
-          (bits 4-5: per block of 32, byte j holds those of values j, j + 8, j + 16, j + 24 at bits
-          0-1, 2-3, 4-5, 6-7), d float16 [N, K/256] (ds) and sc int8 [N, K/16] (a scale per 16
-          values), m None: w = ds·sc·(q − 32).
+          (bits 4-5: per pair of blocks of 32, 16 bytes, byte k holding those of value k of the first
+          and of the second block at bits 0-1 and 2-3, of value 16 + k of each at bits 4-5 and 6-7),
+          d float16 [N, K/256] (ds) and sc int8 [N, K/16] (a scale per 16 values), m None:
+          w = ds·sc·(q − 32).
     q3_k: GGUF Q3_K (K a multiple of 256): qs uint8 [N, K/4] the values' bits 0-1 as the file stores
           them (per super-block 64 bytes: value 128h + 32j + l at bits 2j of byte 32h + l), q2 uint8
           [N, K/8] their bit 2 as the file's masks (per super-block 32 bytes: that value's at bit
@@ -261,8 +262,9 @@ class BlockWeights:
         if self.kind == "iq4_xs":
             return IQ4_NL_LEVELS[q.long()], self.d.float().repeat_interleave(8, dim=1) * self.sc.float(), None
         if self.kind == "q6_k":
-            high = (self.q2.view(self.n, self.k // BLOCK, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
-            q = (q | (high.reshape(self.n, self.k) << 4)).to(torch.int8) - 32
+            shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(2, 2, 1)  # [half, block of the pair]
+            high = (self.q2.view(self.n, self.k // (2 * BLOCK), 1, 1, 16) >> shifts) & 3  # [N, pair, half, block, k]
+            q = (q | (high.transpose(2, 3).reshape(self.n, self.k) << 4)).to(torch.int8) - 32
             return q, self.d.float().repeat_interleave(16, dim=1) * self.sc.float(), None
         if self.qh is not None:
             bits = arrange_high_bits(self.qh).long() & 0xFFFFFFFF  # [N, nb]: bit j = value j's fifth bit
@@ -337,11 +339,12 @@ def fifth_bit_words(q: torch.Tensor) -> torch.Tensor:
 
 
 def two_bit_planes(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] values in 0..63 -> uint8 [N, K/4]: their bits 4-5, per block of 32 byte j holding
-    those of values j, j + 8, j + 16, j + 24 at bits 0-1, 2-3, 4-5, 6-7 (q6_k's q2)."""
+    """uint8 [N, K] values in 0..63 (K even in blocks of 32) -> uint8 [N, K/4]: their bits 4-5, per pair
+    of blocks 16 bytes, byte k holding those of value k of the first and of the second block at bits
+    0-1 and 2-3, of value 16 + k of each at bits 4-5 and 6-7 (q6_k's q2)."""
     n, k = q.shape
-    high = (q.to(torch.uint8) >> 4).view(n, k // BLOCK, 4, 8)  # [.., s, j]: value j + 8s
-    return (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, k // 4)
+    high = (q.to(torch.uint8) >> 4).view(n, k // (2 * BLOCK), 2, 2, 16)  # [.., block of the pair, half, k]
+    return (high[:, :, 0, 0] | (high[:, :, 1, 0] << 2) | (high[:, :, 0, 1] << 4) | (high[:, :, 1, 1] << 6)).reshape(n, k // 4)
 
 
 def unpack_k_fields(fields: torch.Tensor, n: int, k: int) -> torch.Tensor:

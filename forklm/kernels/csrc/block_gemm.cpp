@@ -595,12 +595,16 @@ void paired_tile(const Weights& w, int64_t o, const Acts& x, const PairedActs& x
     for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]) + x.minima_term(j, o + i);
 }
 
-// A pshufb pattern over 8 int16 scales held in both 128-bit lanes: int16 lanes 0-7 get scale 2p, lanes
-// 8-15 scale 2p + 1 (the halves of block p's maddubs pair sums, whose scales these are).
-inline __m256i pick_scale_pair(int p) {
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * p + 3) << 8) | (4 * p + 2))),
-                          _mm_set1_epi16(static_cast<int16_t>(((4 * p + 1) << 8) | (4 * p))));
+// A pshufb pattern over 8 int16 scales held in both 128-bit lanes: int16 lanes 0-7 get scale `low`,
+// lanes 8-15 scale `high`.
+inline __m256i pick_scales(int low, int high) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((2 * high + 1) << 8) | (2 * high))),
+                          _mm_set1_epi16(static_cast<int16_t>(((2 * low + 1) << 8) | (2 * low))));
 }
+
+// int16 lanes 0-7 get scale 2p, lanes 8-15 scale 2p + 1 (the halves of block p's maddubs pair sums,
+// whose scales these are).
+inline __m256i pick_scale_pair(int p) { return pick_scales(2 * p, 2 * p + 1); }
 
 // The layouts with a scale per 16 values (`tile_s16`).
 // IQ4_XS rides along: its scale per 32 values is expanded to the pair of 16s at each super-block.
@@ -615,13 +619,21 @@ inline __m256i two_bit_values(const uint8_t* p) {
   return _mm256_and_si256(v, _mm256_set1_epi8(3));
 }
 
-// Q6_K block b of output o as 32 unsigned values q + 32 in 0..63, in the order of the row's values:
-// the nibbles as Q4_1's, bits 4-5 from q2 (`two_bit_values`).
-inline __m256i load_q6(const Weights& w, int64_t o, int64_t b) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + o * w.row_bytes + b * 16));
-  const __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-  const __m256i high = _mm256_slli_epi16(two_bit_values(w.q2 + (o * w.nb + b) * 8), 4);  // bytes <= 3: none spills
-  return _mm256_or_si256(low, high);
+// Q6_K blocks 2·pr and 2·pr + 1 of output o as unsigned values q + 32 in 0..63, in the order
+// `pair_activations` lays a row's activations out: lo = values 0-15 of the first block, then values
+// 0-15 of the second; hi = values 16-31 of each. The low 4 bits as Q4_1's (one 32-byte load for both
+// blocks); bits 4-5 from the pair's 16 bytes of q2 (byte k: at bits 0-1 / 2-3 those of value k of the
+// first / second block, at bits 4-5 / 6-7 those of value 16 + k), held in both 128-bit lanes and
+// shifted per lane to bits 4-5 (a 64-bit shift moves bits across bytes, but only into bits the mask drops).
+inline void load_q6_pair(const Weights& w, int64_t o, int64_t pr, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + o * w.row_bytes + pr * QK));
+  const __m256i b =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q2 + (o * w.nb + 2 * pr) * 8)));
+  lo = _mm256_or_si256(_mm256_and_si256(v, low4),
+                       _mm256_and_si256(_mm256_sllv_epi64(b, _mm256_setr_epi64x(4, 4, 2, 2)), bits45));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                       _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 2, 2)), bits45));
 }
 
 // Q3_K / Q2_K block 4h + j of a super-block as 32 unsigned values (Q2_K q in 0..3, Q3_K q + 4 in
@@ -648,18 +660,19 @@ struct SuperActs {
   SuperActs rows_from(int64_t t) const { return SuperActs{q + t * K, d + t * (K / QKK), sums + t * (K / 16), K}; }
 };
 
-// Q6_K / Q3_K / Q2_K products of TO outputs and TN rows, as integers within each super-block of 256
-// (the scheme ggml runs these types with): per block of 32, maddubs of the unsigned values
-// (`load_q6`: q + 32 in 0..63; `low_bit_values`: Q3_K q + 4 in 0..7, Q2_K q in 0..3) with the row's int8
-// values gives int16 pair sums (<= 2·63·127: no saturation), madd with the sub-block scales sums
-// them in int32 (<= 8 blocks · 2 · 16002 · 128 < 2³¹); the offset comes off as 32·Σ sc·(the row's
-// sums of 16) (Q3_K: 4·Σ sc·sums), also in integers; then one float step per super-block:
+// Q3_K / Q2_K / IQ4_XS products of TO outputs and TN rows (Q6_K: `tile_q6`), as integers within each
+// super-block of 256 (the scheme ggml runs these types with): per block of 32, maddubs of the unsigned
+// values (`low_bit_values`: Q3_K q + 4 in 0..7, Q2_K q in 0..3) with the row's int8
+// values gives int16 pair sums (<= 2·7·127: no saturation), madd with the sub-block scales sums
+// them in int32; the offset comes off as 4·Σ sc·(the row's sums of 16) (Q3_K), also in integers; then
+// one float step per super-block:
 // acc += (ds·dx) · Σ (each int32 lane converted once: exact below 2²⁴, which only activations and
 // weights at their extremes together exceed; the lanes of the offset term are other sub-blocks'
 // than the products', so it cancels in the lanes' sum). Q2_K's minima: acc −= (dmin·dx) · Σ mn·sums
 // (integers, exact). A row's operations are the same in every tile, so no row count changes a result.
 template <int S16, int TO, int TN>
 void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t N) {
+  static_assert(S16 != SUB16_Q6, "Q6_K runs on tile_q6");
   const int64_t nb = w.nb, nsb = nb / 8;
   prefetch_outputs(w, o + 2 * TO, TO, N);
   __m256 acc[TO][TN];
@@ -708,9 +721,7 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
         __m256i wv[TO], scale[TO];  // IQ4_XS: wv the levels' magnitudes, sw the levels (their signs)
         [[maybe_unused]] __m256i sw[TO];
         for (int i = 0; i < TO; ++i) {
-          if constexpr (S16 == SUB16_Q6) {
-            wv[i] = load_q6(w, o + i, sb * 8 + b);
-          } else if constexpr (S16 == SUB16_IQ4XS) {
+          if constexpr (S16 == SUB16_IQ4XS) {
             sw[i] = load_weights<false, false, true>(w, o + i, sb * 8 + b);
             wv[i] = _mm256_sign_epi8(sw[i], sw[i]);
           } else {
@@ -740,8 +751,7 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
           acc[i][j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin[i] * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, mn16[i])),
                                        acc[i][j]);
         } else {
-          constexpr int shift = S16 == SUB16_Q6 ? 5 : 2;  // the offset 32 / 4
-          const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), shift));
+          const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), 2));  // Q3_K: 4·Σ
           acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(total), acc[i][j]);
         }
       }
@@ -756,6 +766,77 @@ void tile_s16_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x,
   int64_t o = o0;
   for (; o + TO <= o1; o += TO) tile_s16<S16, TO, TN>(w, o, x, y, N);
   for (; o < o1; ++o) tile_s16<S16, 1, TN>(w, o, x, y, N);
+}
+
+// Q6_K products of TO outputs and TN rows, in integers within each super-block of 256 as `tile_s16`
+// runs the other types with scales per 16 values, but two blocks at a time: one pair (`load_q6_pair`)
+// meets the row's paired activations (`pair_activations`: a 32-byte load each for the pair's low and
+// high halves), maddubs gives int16 pair sums (<= 2·63·127: no saturation) whose lanes 0-7 / 8-15 are
+// sub-blocks 4q / 4q + 2 (lo) and 4q + 1 / 4q + 3 (hi) of the half's 8, madd with those scales sums them
+// in int32 (<= 8 · 2 · 16002 · 128 < 2³¹ a lane over a super-block); the offset comes off as 32·Σ sc·(the
+// row's sums of 16), then one float step per super-block: acc += (ds·dx)·Σ (each int32 lane converted
+// once: exact below 2²⁴, which only activations and weights at their extremes together exceed). A
+// row's operations are the same in every tile, so no row count changes a result.
+// x.q: the rows' paired activations.
+template <int TO, int TN>
+void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t N) {
+  const int64_t nb = w.nb, nsb = nb / 8;
+  prefetch_outputs(w, o + 2 * TO, TO, N);
+  __m256 acc[TO][TN];
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m256i sc16[TO];
+    float ds[TO];
+    for (int i = 0; i < TO; ++i) {
+      sc16[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (o + i) * 2 * nb + sb * 16)));
+      ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
+    }
+    __m256i isum[TO][TN];
+    for (int i = 0; i < TO; ++i)
+      for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3: sub-blocks 8h .. 8h + 7
+      __m256i halves[TO];  // the half's 8 scales as int16 in both 128-bit lanes
+      for (int i = 0; i < TO; ++i)
+        halves[i] = h ? _mm256_permute2x128_si256(sc16[i], sc16[i], 0x11) : _mm256_permute2x128_si256(sc16[i], sc16[i], 0x00);
+      for (int q = 0; q < 2; ++q) {  // the pair of blocks 4h + 2q, 4h + 2q + 1
+        const int64_t pr = sb * 4 + 2 * h + q;
+        const __m256i pick_lo = pick_scales(4 * q, 4 * q + 2), pick_hi = pick_scales(4 * q + 1, 4 * q + 3);
+        __m256i wlo[TO], whi[TO], slo[TO], shi[TO];
+        for (int i = 0; i < TO; ++i) {
+          load_q6_pair(w, o + i, pr, wlo[i], whi[i]);
+          slo[i] = _mm256_shuffle_epi8(halves[i], pick_lo);
+          shi[i] = _mm256_shuffle_epi8(halves[i], pick_hi);
+        }
+        for (int j = 0; j < TN; ++j) {
+          const int8_t* xj = x.q + j * x.K + pr * 2 * QK;
+          const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
+          const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
+          for (int i = 0; i < TO; ++i)
+            isum[i][j] = _mm256_add_epi32(isum[i][j],
+                                          _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wlo[i], xlo), slo[i]),
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(whi[i], xhi), shi[i])));
+        }
+      }
+    }
+    for (int j = 0; j < TN; ++j) {
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + j * (x.K / 16) + sb * 16));
+      const float dx = x.d[j * nsb + sb];
+      for (int i = 0; i < TO; ++i) {
+        const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), 5));  // 32·Σ
+        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(total), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) y[j * N + o + i] = hsum(acc[i][j]);
+}
+
+template <int TO, int TN>
+void tile_q6_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x, float* y, int64_t N) {
+  int64_t o = o0;
+  for (; o + TO <= o1; o += TO) tile_q6<TO, TN>(w, o, x, y, N);
+  for (; o < o1; ++o) tile_q6<1, TN>(w, o, x, y, N);
 }
 
 template <int TO, int TN, bool NL = false>
@@ -1088,7 +1169,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const int64_t pairs = nb / 2;
   std::vector<int8_t>& xpairs = buf.pairs;
   std::vector<float>& dx_spread = buf.dx_spread;
-  if (Q41) {
+  if (Q41 || S6) {
     xpairs.resize(T * K);
     for (int64_t t = 0; t < T; ++t) pair_activations(qx + t * K, nb, xpairs.data() + t * K);
   }
@@ -1123,7 +1204,18 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
       const Acts all{qx, dx, sx, K, nb, chunk_minima ? minima.data() : nullptr, c1 - c0, c0};
       const auto pairs_from = [&](int64_t t) { return PairedActs{xpairs.data() + t * K, dx_spread.data() + t * pairs * 8}; };
       int64_t t = 0;
-      if constexpr (SUB) {
+      if constexpr (S6) {
+        const SuperActs paired{xpairs.data(), dx, super_rows.sums, K};  // (buf is thread_local: not named in here)
+        for (; t + 4 <= T; t += 4)
+          tile_q6_rows<1, 4>(w, c0, c1, paired.rows_from(t), yp + t * n, n);
+        const SuperActs rest = paired.rows_from(t);
+        switch (T - t) {
+          case 3: tile_q6_rows<1, 3>(w, c0, c1, rest, yp + t * n, n); break;
+          case 2: tile_q6_rows<2, 2>(w, c0, c1, rest, yp + t * n, n); break;
+          case 1: tile_q6_rows<1, 1>(w, c0, c1, rest, yp + t * n, n); break;
+          default: break;
+        }
+      } else if constexpr (SUB) {
         for (; t + 4 <= T; t += 4)
           tile_s16_rows<S16, 1, 4>(w, c0, c1, super_rows.rows_from(t), yp + t * n, n);
         const SuperActs rest = super_rows.rows_from(t);
@@ -1651,9 +1743,12 @@ void repack_q6_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint8_t* q2, 
       const uint8_t* vb = v + 32 * blk;
       uint8_t* out = qs + (s * 8 + blk) * 16;
       for (int j = 0; j < 16; ++j) out[j] = (vb[j] & 0x0F) | ((vb[j + 16] & 0x0F) << 4);
+    }
+    for (int blk = 0; blk < 8; blk += 2) {  // bits 4-5 per pair of blocks, as `load_q6_pair` reads them
+      const uint8_t *first = v + 32 * blk, *second = first + 32;
       uint8_t* planes = q2 + (s * 8 + blk) * 8;
-      for (int j = 0; j < 8; ++j)
-        planes[j] = (vb[j] >> 4) | ((vb[j + 8] >> 4) << 2) | ((vb[j + 16] >> 4) << 4) | ((vb[j + 24] >> 4) << 6);
+      for (int k = 0; k < 16; ++k)
+        planes[k] = (first[k] >> 4) | ((second[k] >> 4) << 2) | ((first[k + 16] >> 4) << 4) | ((second[k + 16] >> 4) << 6);
     }
     std::memcpy(sc + s * 16, x + 192, 16);
     ds[s] = load_u16(x + 208);
