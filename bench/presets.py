@@ -78,6 +78,15 @@ def quantize_binary(batched_bench: Path) -> Path:
     return path
 
 
+def preset_quantizer(batched_bench: Path, source: Path, presets: list[str], folder: Path = PRESET_DIR) -> Path:
+    """The llama-quantize that makes the presets' files: required (`quantize_binary`) only when one of them
+    is missing; when all exist, where it would be (only recorded: a peer built without it, such as
+    ik_llama.cpp's llama-batched-bench alone, runs on files made before)."""
+    if any(not preset_path(source, p, folder).is_file() for p in presets):
+        return quantize_binary(batched_bench)
+    return Path(batched_bench).with_name(QUANTIZE_NAME)
+
+
 def quantize_command(binary: Path, source: Path, dest: Path, preset: str, threads: int) -> list[str]:
     """llama-quantize's argument list: requantize SOURCE to PRESET into DEST with THREADS threads."""
     return [str(binary), "--allow-requantize", str(source), str(dest), preset, str(int(threads))]

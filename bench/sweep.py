@@ -585,10 +585,10 @@ def _ggufs_to_run(args: argparse.Namespace, cfg: SweepConfig, llama_binary: Path
     failing llama-quantize stops the run before anything slow)."""
     if not cfg.presets:
         return [{"preset": None, "model": args.model}]
-    from bench.presets import make_preset, quantize_binary, source_gguf
+    from bench.presets import make_preset, preset_quantizer, source_gguf
 
-    quantizer = quantize_binary(llama_binary)
     source = source_gguf(args.model)
+    quantizer = preset_quantizer(llama_binary, source, cfg.presets)
     files = []
     for preset in cfg.presets:
         made = make_preset(quantizer, source, preset, torch.get_num_threads(), note=_note)

@@ -187,6 +187,17 @@ def test_quantize_binary_sits_beside_batched_bench(tmp_path):
     assert presets.quantize_binary(bench) == q
 
 
+def test_preset_quantizer_needed_only_for_a_missing_file(tmp_path):
+    bench, src, folder = tmp_path / "ik" / "llama-batched-bench", tmp_path / "m.Q4_1.gguf", tmp_path / "presets"
+    bench.parent.mkdir()
+    with pytest.raises(FileNotFoundError, match="llama-quantize"):  # Q8_0's file is missing: it must be made
+        presets.preset_quantizer(bench, src, ["Q4_0", "Q8_0"], folder)
+    folder.mkdir()
+    for p in ("Q4_0", "Q8_0"):
+        presets.preset_path(src, p, folder).write_bytes(b"GGUF")
+    assert presets.preset_quantizer(bench, src, ["Q4_0", "Q8_0"], folder) == bench.with_name("llama-quantize")
+
+
 def _fake_quantizer(tmp_path: Path, body: str) -> Path:
     """A stand-in llama-quantize: `--allow-requantize SRC DST PRESET THREADS`."""
     q = tmp_path / "bin" / "llama-quantize"
