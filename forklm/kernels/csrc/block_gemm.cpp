@@ -10,7 +10,7 @@
 //         per 8 blocks, mq 6 bits; formed exactly in float32 for `minima_terms`)
 //   Q5_K  Q5_1's values with the K-quants' scales
 //   Q6_K  w = ds·sc·q, q in −32..31 (4 low bits as Q4_1's nibbles, 2 high bits in q2), sc an int8
-//         per 16 values under a float16 ds per 256 (`tile_s16`)
+//         per 16 values under a float16 ds per 256 (`tile_q6`: q2 per pair of blocks)
 //   Q3_K  w = ds·sc·q, q in −4..3 (the file's 2-bit fields and third-bit masks as stored), sc an int8
 //         per 16 values (the file's 6-bit scale − 32) under a float16 ds per 256
 //   Q2_K  w = ds·sc·q − dmin·mn, q in 0..3 (the file's 2-bit fields as stored), sc and mn 4 bits each
@@ -24,7 +24,7 @@
 // and y[t, o] = Σ_b (dw·dx)·Σ_i qw·qx  (+ Σ_b mw·sx for Q4_1, `minima_terms`). For K-quant weights the
 // same rule runs over super-blocks of 256 (one dx per 256, the sums of each 16 q kept: the shape of
 // ggml's Q8_K, not its rounding),
-// so a super-block's sub-block scales apply in integers (`tile_s16`); so for Q4_K / Q5_K (`tile_k`).
+// so a super-block's sub-block scales apply in integers (`tile_s16`, `tile_q6`); so for Q4_K / Q5_K (`tile_k`).
 //
 // Batch invariance: row t's result depends on row t alone (per-row activation scales; a row's
 // operations are the same whichever tile of rows it shares), so a sample's numbers never depend on
@@ -138,7 +138,7 @@ inline void quantize_super_block(const float* x, int8_t* q, float* d, int16_t* s
 }
 
 // Quantized activation rows. Blocks of 32 (Q4_1 / Q5_1 / Q8_0 weights): q, d and s = d·Σq per block.
-// Super-blocks of 256 (K-quant weights, `tile_s16` / `tile_k`): q, d per super-block, and the sums of
+// Super-blocks of 256 (K-quant weights, `tile_s16` / `tile_q6` / `tile_k`): q, d per super-block, and the sums of
 // each 16 values in `sums` (s unused).
 struct QuantizedRows {
   torch::Tensor q, d, s;  // int8 [T, K]; float32 [T, K/32] (super-blocks: d [T, K/256], s empty)
@@ -256,7 +256,7 @@ struct Weights {
   const uint32_t* qh = nullptr;  // Q5_1 / Q5_K only
   const uint8_t* sc = nullptr;   // K-quant / IQ4_XS scales only ([N, nb]; Q6_K / Q3_K / Q2_K: [N, 2·nb], one per 16 values)
   const uint16_t* dm = nullptr;  // K-quant scales only
-  const uint8_t* q2 = nullptr;   // Q6_K: [N, nb, 8] the values' bits 4-5; Q3_K: the third-bit masks
+  const uint8_t* q2 = nullptr;   // Q6_K: [N, nb/2, 16] the values' bits 4-5 per block pair; Q3_K: the third-bit masks
   // K-quant minima formed once per chunk of outputs [o0, o0 + 64) (`expand_k_minima`): mf [8, nb, 8]
   // grouped as m (o0 a multiple of 8)
   const float* mf = nullptr;
@@ -497,7 +497,7 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
 }
 
 // Q8_0 (NL: IQ4_NL, its levels looked up as int8): y[j·N + o + i] for i < TO outputs, j < TN activation
-// rows (Q4_1-type blocks run on `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K / Q3_K / Q2_K on `tile_s16`).
+// rows (Q4_1-type blocks run on `paired_tile` and `one_row_q4_1`, Q4_K / Q5_K on `tile_k`, Q6_K on `tile_q6`, Q3_K / Q2_K on `tile_s16`).
 // scratch: >= TO·(TN + 1)·nb floats.
 template <int TO, int TN, bool NL = false>
 void tile(const Weights& w, int64_t o, const Acts& x, float* y, int64_t N, float* scratch) {
@@ -606,18 +606,9 @@ inline __m256i pick_scales(int low, int high) {
 // whose scales these are).
 inline __m256i pick_scale_pair(int p) { return pick_scales(2 * p, 2 * p + 1); }
 
-// The layouts with a scale per 16 values (`tile_s16`).
+// The layouts with a scale per 16 values (`tile_s16`; Q6_K: `tile_q6`).
 // IQ4_XS rides along: its scale per 32 values is expanded to the pair of 16s at each super-block.
 enum Sub16 { NO_SUB16 = 0, SUB16_Q6 = 6, SUB16_Q3 = 3, SUB16_Q2 = 2, SUB16_IQ4XS = 4 };
-
-// 8 bytes where byte j holds 2-bit fields of values j, j + 8, j + 16, j + 24 (bits 0-1, 2-3, 4-5, 6-7)
-// -> those 32 values as bytes 0..3: broadcast to the four 8-byte quarters, quarter s shifted right by 2s.
-inline __m256i two_bit_values(const uint8_t* p) {
-  int64_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  const __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6));
-  return _mm256_and_si256(v, _mm256_set1_epi8(3));
-}
 
 // Q6_K blocks 2·pr and 2·pr + 1 of output o as unsigned values q + 32 in 0..63, in the order
 // `pair_activations` lays a row's activations out: lo = values 0-15 of the first block, then values
@@ -651,7 +642,8 @@ inline __m256i low_bit_values(__m256i fields, __m256i masks, int j, int bit) {
   }
 }
 
-// Activation rows quantized in super-blocks of 256 (`quantize_super_block`), as `tile_s16` reads them.
+// Activation rows quantized in super-blocks of 256 (`quantize_super_block`), as `tile_s16` reads them
+// (`tile_q6`: q holds the rows' paired values, `pair_activations`).
 struct SuperActs {
   const int8_t* q;     // [T, K]
   const float* d;      // [T, K/256]
@@ -997,7 +989,7 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
   while (o < o1) run(std::integral_constant<int, 1>{});
 }
 
-// The pairs `one_row_q4_1` and `tile_k` read: for blocks b, b+1 of the row, their low 16 bytes side by side, then
+// The pairs `one_row_q4_1`, `tile_k` and `tile_q6` read: for blocks b, b+1 of the row, their low 16 bytes side by side, then
 // their high 16 bytes (as `tile` permutes them).
 void pair_activations(const int8_t* q, int64_t nb, int8_t* xp) {
   for (int64_t b = 0; b + 2 <= nb; b += 2) {
@@ -1163,8 +1155,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   const float* sx = KS ? k_sx.data() : buf.s.data();
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
-  // Q4_1 rows' paired activations (`one_row_q4_1`'s lone last row; `paired_tile`'s rows with their
-  // spread scales), prepared once per call.
+  // Q4_1 / Q4_K / Q6_K rows' paired activations (`one_row_q4_1`'s lone last row; `paired_tile`'s rows with
+  // their spread scales; `tile_k`'s, `tile_q6`'s), prepared once per call.
   const bool paired_rows = Q41 && !KS && T >= 2;
   const int64_t pairs = nb / 2;
   std::vector<int8_t>& xpairs = buf.pairs;
