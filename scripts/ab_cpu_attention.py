@@ -4,10 +4,12 @@
         [--rounds 15] [--out bench/results/cpu_attention_ab.json]
 
 Builds csrc/paged_attention.cpp as it is at `--against` (with that commit's simd_math.h) beside
-this tree's build, and per point (m_c x n) times one layer's call of each on the default model's
-shapes (3 KV heads x 3 query heads each, head dim 64, float16 cache, blocks of 16): a shared
-prompt of m_c tokens read by n rows, each row with its own 5-token tail; rounds interleaved,
-minimum and median of 10 calls a round. Checks the two builds' outputs are equal bit for bit.
+this tree's build, and per point (m_c x n) times a decode step's calls of each on the default model's
+shapes (30 layers, each its own cache: 3 KV heads x 3 query heads each, head dim 64, float16 cache,
+blocks of 16; the caches evicted from the CPU's caches before each step, as a step's weights evict
+them): a shared prompt of m_c tokens read by n rows, each row with its own 5-token tail; rounds
+interleaved, minimum and median of 10 steps a round, reported per layer. `--layers 1 --no-evict`
+times one layer's cache kept in cache. Checks the two builds' outputs are equal bit for bit.
 Run it alone (`flock /tmp/forklm_bench.lock ...`).
 """
 
@@ -51,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", required=True, help="the commit whose attention to time beside this tree's")
     ap.add_argument("--points", default="2048x32,2048x16,2048x8,256x32")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=30, help="layers a step calls, each with its own cache")
+    ap.add_argument("--no-evict", action="store_true", help="leave the caches in the CPU's caches between steps")
     ap.add_argument("--out", default="bench/results/cpu_attention_ab.json")
     args = ap.parse_args(argv)
+    evict = torch.ones(64 << 20, dtype=torch.uint8)  # larger than the last-level cache of the CPUs we run on
     root = Path(__file__).resolve().parent.parent
     old, sha = build_at(args.against, root)
     new = ca._extension()
@@ -61,31 +66,37 @@ def main(argv: list[str] | None = None) -> int:
     for point in args.points.split(","):
         ctx, rows = (int(v) for v in point.split("x"))
         nb = ctx // bs + rows + 2
-        k, v = torch.randn(g, nb * bs, D).half(), torch.randn(g, nb * bs, D).half()
+        caches = [(torch.randn(g, nb * bs, D).half(), torch.randn(g, nb * bs, D).half()) for _ in range(args.layers)]
         items = [SegmentItem(list(range(rows)), list(range(ctx // bs)), ctx)]
         items += [SegmentItem([r], [ctx // bs + r], tail) for r in range(rows)]
         plan = ca.plan_items(items, rows, bs)
         q = torch.randn(rows, g * p, D)
 
-        def call(ext, q=q, k=k, v=v, plan=plan, rows=rows):
+        def call(ext, k, v, q=q, plan=plan, rows=rows):
             return ext.paged_attention(q, None, None, k, v, None, g * p, rows, plan.rows_start, plan.rows,
                                        plan.blocks_start, plan.blocks, plan.tokens, bs, D ** -0.5, ca.CHUNK_TOKENS)
 
-        if not torch.equal(call(old), call(new)):
+        if not torch.equal(call(old, *caches[0]), call(new, *caches[0])):
             raise AssertionError(f"{point}: this tree's attention gives other bits than {sha}'s")
         times = {sha: [], "this tree": []}
         for _ in range(args.rounds):
             for name, ext in ((sha, old), ("this tree", new)):
-                t = time.perf_counter()
+                total = 0.0
                 for _ in range(10):
-                    call(ext)
-                times[name].append((time.perf_counter() - t) / 10 * 1e3)
+                    if not args.no_evict:
+                        evict.add_(1)
+                    t = time.perf_counter()
+                    for k, v in caches:
+                        call(ext, k, v)
+                    total += time.perf_counter() - t
+                times[name].append(total / (10 * args.layers) * 1e3)
         results[point] = {name: {"ms_min": min(t), "ms_median": statistics.median(t)} for name, t in times.items()}
         print(point, ", ".join(f"{name} {r['ms_min']:.3f} / {r['ms_median']:.3f} ms (min / median, one layer)"
                                for name, r in results[point].items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), "against": sha, "rounds": args.rounds, "points": results},
+    out.write_text(json.dumps({"machine": machine_info(), "against": sha, "rounds": args.rounds, "layers": args.layers,
+                                          "evicted": not args.no_evict, "points": results},
                               indent=1))
     print(f"wrote {out}")
     return 0

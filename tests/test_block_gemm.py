@@ -799,3 +799,19 @@ def test_weight_rows_of_every_layout_are_those_rows(kind):
     ids = torch.tensor([5, 0, 36, 17, 8, 9, 9])
     assert torch.equal(w.rows(ids).dequantize(), w.dequantize()[ids])
     assert torch.equal(w.dequantize_rows(ids), w.dequantize()[ids])  # the lookup's own path
+
+
+@pytest.mark.parametrize("kind", bg.R8_KINDS)
+def test_interleaved_row_lookup_in_cpp_equals_the_tensor_operations(kind):
+    """The C++ lookup of interleaved rows (one call a decode step) gives the tensor operations' values
+    bit for bit, for rows in any lane of any group, the last group padded; a bad id is refused."""
+    w = random_weights(kind, 45, 576, seed=4)  # 6 groups, the last with 5 live lanes
+    ids = torch.randint(0, 45, (23,), generator=torch.Generator().manual_seed(3))
+    ids[:3] = torch.tensor([44, 0, 7])
+    want = bg.dequantize_values(*w._unpack_r8(bg.deinterleave_r8(w, ids)))
+    got = bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.qh, w.d, w.m, w.n, ids)
+    assert torch.equal(got, want)
+    with pytest.raises(IndexError, match="weight row 45 asked of 45"):
+        bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.qh, w.d, w.m, w.n, torch.tensor([3, 45]))
+    with pytest.raises(IndexError):
+        w.dequantize_rows(torch.tensor([-1]))

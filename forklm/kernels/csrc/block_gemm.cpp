@@ -2047,6 +2047,82 @@ torch::Tensor dense_rows(const torch::Tensor& x_in, const torch::Tensor& w_in) {
   });
   return y;
 }
+
+// Rows `ids` of weights in an interleaved layout (`gemm_r8`'s arrays), float32 [R, K]: an embedding
+// lookup in a table the LM head reads. Each value as block_gemm.py's `dequantize_rows` forms it (the
+// arithmetic of gguf's numpy dequantization): w = float(q)·d, then + m where the layout has minima
+// (Q4_1 / Q5_1: the stored m; Q4_0 / Q5_0: m = −8d / −16d), q the 4- or 5-bit value, IQ4_NL's level
+// or Q8_0's int8. Reads only the rows' lanes (a decode step looks up one row per sample: the same
+// lookup as tensor operations cost 80-260 µs a step).
+torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const std::optional<torch::Tensor>& qh_in,
+                                 const torch::Tensor& d, const std::optional<torch::Tensor>& m_in, int64_t n,
+                                 const torch::Tensor& ids_in) {
+  const torch::Tensor qh = qh_in.value_or(torch::Tensor()), m = m_in.value_or(torch::Tensor());
+  TORCH_CHECK(layout >= R8_Q4_0 && layout <= R8_IQ4_NL, "unknown interleaved layout ", layout);
+  const R8Layout L = static_cast<R8Layout>(layout);
+  const bool q8 = L == R8_Q8_0, nl = L == R8_IQ4_NL, h5 = L == R8_Q5_0 || L == R8_Q5_1,
+             minima = L == R8_Q4_1 || L == R8_Q5_1;
+  const int64_t block_bytes = q8 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES, G = (n + 7) / 8;
+  TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(0) == G &&
+                  qs.size(2) == block_bytes,
+              "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", nb, ", block_bytes, "]");
+  const int64_t nb = qs.size(1), K = nb * QK;
+  TORCH_CHECK(d.dim() == 3 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == G &&
+                  d.size(1) == nb && d.size(2) == 8,
+              "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
+  if (minima)
+    TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.scalar_type() == torch::kFloat16 && m.is_contiguous(),
+                "interleaved block minima m must be contiguous float16 [", G, ", ", nb, ", 8]");
+  if (h5)
+    TORCH_CHECK(qh.defined() && qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
+                    qh.size(0) == G && qh.size(1) == nb && qh.size(2) == 32,
+                "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
+  const torch::Tensor ids = ids_in.to(torch::kInt64).contiguous();
+  TORCH_CHECK(ids.dim() == 1, "ids must be one-dimensional");
+  const int64_t R = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK_INDEX(ip[r] >= 0 && ip[r] < n, "weight row ", ip[r], " asked of ", n);  // IndexError
+  torch::Tensor out = torch::empty({R, K}, torch::kFloat32);
+  const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
+  const uint8_t* wh = h5 ? qh.data_ptr<uint8_t>() : nullptr;
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* wm = minima ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  static const int8_t levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t g = ip[r] / 8, lane = ip[r] % 8;
+    float* row = op + r * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = g * nb + b;
+      const float db = _cvtsh_ss(wd[at * 8 + lane]);
+      const float mb = minima ? _cvtsh_ss(wm[at * 8 + lane]) : L == R8_Q4_0 ? -8 * db : L == R8_Q5_0 ? -16 * db : 0.f;
+      const uint8_t* w = wq + at * block_bytes;
+      float q[QK];
+      if (q8) {  // run j: values 4j..4j+3 of output `lane` at bytes 4·lane
+        for (int j = 0; j < 8; ++j)
+          for (int k = 0; k < 4; ++k) q[4 * j + k] = static_cast<int8_t>(w[32 * j + 4 * lane + k]);
+      } else {  // run j: values 4j..4j+3 in the low nibbles, 16 + 4j.. in the high ones
+        for (int j = 0; j < 4; ++j)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t byte = w[32 * j + 4 * lane + k];
+            int lo = byte & 0x0F, hi = byte >> 4;
+            if (h5) {  // byte 4·lane + k of qh: bit j the fifth bit of value 4j + k, bit 4 + j that of 16 + 4j + k
+              const uint8_t bits = wh[at * 32 + 4 * lane + k];
+              lo |= ((bits >> j) & 1) << 4, hi |= ((bits >> (4 + j)) & 1) << 4;
+            }
+            q[4 * j + k] = nl ? levels[lo] : lo;
+            q[16 + 4 * j + k] = nl ? levels[hi] : hi;
+          }
+      }
+      for (int i = 0; i < QK; ++i) {
+        const float v = q[i] * db;  // (built with -ffp-contract=off: two roundings, as numpy's)
+        row[b * QK + i] = minima || L == R8_Q4_0 || L == R8_Q5_0 ? v + mb : v;
+      }
+    }
+  }
+  return out;
+}
 }  // namespace
 
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
@@ -2091,6 +2167,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_iq4_nl", &gemm_iq4_nl, "y [T, N] = x [T, K] float32 times IQ4_NL weights (qs uint8 [N, K/2] nibbles as Q4_1's, d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows_r8", &dequantize_rows_r8,
+        "rows ids of interleaved weights (layout: 0 q4_0_r8, 1 q4_1_r8, 2 q5_0_r8, 3 q5_1_r8, 4 q8_0_r8, 5 iq4_nl_r8; "
+        "qs, qh, d, m as gemm_r8 takes them, n outputs) as float32 [len(ids), K]",
+        py::arg("layout"), py::arg("qs"), py::arg("qh"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("ids"));
   m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
         "output one dot product in a fixed order whatever T", py::call_guard<py::gil_scoped_release>());
   m.def("repack_rows", &repack_rows,
