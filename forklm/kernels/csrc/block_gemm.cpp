@@ -51,6 +51,7 @@ constexpr int QKK = 256;  // a K-quant super-block
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
+using forklm::exp8;
 using forklm::hsum;
 
 // max |x| over n values (n a multiple of 8), and whether all are finite (8 lanes: max is exact in
@@ -169,9 +170,24 @@ void prologue_row(const float* x, int64_t K, Prologue mode, const float* w, floa
   if (mode == RMSNORM) {
     const float r = 1.f / std::sqrt(sum_squares(x, K) / static_cast<float>(K) + eps);
     for (int64_t i = 0; i < K; ++i) out[i] = w[i] * (x[i] * r);
-  } else {  // SWIGLU
+  } else {  // SWIGLU: silu(g)·u = g / (1 + exp(−g)) · u, eight at a time (`exp8`, ~1 ulp; a row of the
+    // down product's 1536-8192 values took 1-3 µs a sample with the scalar exp: a decode step's rows
+    // all fall to one thread here)
     const float* u = x + K;
-    for (int64_t i = 0; i < K; ++i) out[i] = x[i] / (1.f + std::exp(-x[i])) * u[i];
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    const auto eight = [&](const float* g8, const float* u8, float* o8) {
+      const __m256 g = _mm256_loadu_ps(g8);
+      const __m256 e = exp8(_mm256_xor_ps(g, sign));
+      _mm256_storeu_ps(o8, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(u8)));
+    };
+    int64_t i = 0;
+    for (; i + 8 <= K; i += 8) eight(x + i, u + i, out + i);
+    if (i < K) {  // the tail through the same arithmetic, padded
+      float g8[8] = {}, u8[8] = {}, o8[8];
+      std::copy(x + i, x + K, g8), std::copy(u + i, u + K, u8);
+      eight(g8, u8, o8);
+      std::copy(o8, o8 + (K - i), out + i);
+    }
   }
 }
 
