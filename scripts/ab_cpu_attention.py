@@ -8,7 +8,7 @@ this tree's build, and per point (m_c x n) times a decode step's calls of each o
 shapes (30 layers, each its own cache: 3 KV heads x 3 query heads each, head dim 64, float16 cache,
 blocks of 16; the caches evicted from the CPU's caches before each step, as a step's weights evict
 them): a shared prompt of m_c tokens read by n rows, each row with its own 5-token tail; rounds
-interleaved, minimum and median of 10 steps a round, reported per layer. `--layers 1 --no-evict`
+interleaved, each round's mean of 10 steps per layer, the minimum and median over rounds reported. `--layers 1 --no-evict`
 times one layer's cache kept in cache. Checks the two builds' outputs are equal bit for bit.
 Run it alone (`flock /tmp/forklm_bench.lock ...`).
 """
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-evict", action="store_true", help="leave the caches in the CPU's caches between steps")
     ap.add_argument("--out", default="bench/results/cpu_attention_ab.json")
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error("--layers must be at least 1")
     evict = torch.ones(64 << 20, dtype=torch.uint8)  # larger than the last-level cache of the CPUs we run on
     root = Path(__file__).resolve().parent.parent
     old, sha = build_at(args.against, root)

@@ -815,3 +815,8 @@ def test_interleaved_row_lookup_in_cpp_equals_the_tensor_operations(kind):
         bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.qh, w.d, w.m, w.n, torch.tensor([3, 45]))
     with pytest.raises(IndexError):
         w.dequantize_rows(torch.tensor([-1]))
+    assert torch.equal(w.dequantize_rows(ids.int()), want)  # int32 ids
+    assert w.dequantize_rows(torch.tensor([], dtype=torch.long)).shape == (0, 576)
+    for bad in (torch.tensor([1.5]), torch.tensor([True])):
+        with pytest.raises(RuntimeError, match="integer tensor"):
+            w.dequantize_rows(bad)

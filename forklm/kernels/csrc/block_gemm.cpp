@@ -2087,14 +2087,16 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
                   d.size(1) == nb && d.size(2) == 8,
               "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
   if (minima)
-    TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.scalar_type() == torch::kFloat16 && m.is_contiguous(),
-                "interleaved block minima m must be contiguous float16 [", G, ", ", nb, ", 8]");
+    TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.scalar_type() == torch::kFloat16 && m.is_contiguous() &&
+                    m.is_cpu(),
+                "interleaved block minima m must be contiguous float16 CPU [", G, ", ", nb, ", 8]");
   if (h5)
     TORCH_CHECK(qh.defined() && qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
-                    qh.size(0) == G && qh.size(1) == nb && qh.size(2) == 32,
-                "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
-  const torch::Tensor ids = ids_in.to(torch::kInt64).contiguous();
-  TORCH_CHECK(ids.dim() == 1, "ids must be one-dimensional");
+                    qh.is_cpu() && qh.size(0) == G && qh.size(1) == nb && qh.size(2) == 32,
+                "interleaved fifth bits qh must be contiguous uint8 CPU [", G, ", ", nb, ", 32]");
+  TORCH_CHECK(ids_in.dim() == 1 && at::isIntegralType(ids_in.scalar_type(), /*includeBool=*/false),
+              "ids must be a one-dimensional integer tensor, got ", ids_in.scalar_type(), " ", ids_in.sizes());
+  const torch::Tensor ids = ids_in.to(torch::kCPU, torch::kInt64).contiguous();
   const int64_t R = ids.size(0);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)

@@ -88,10 +88,35 @@ inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t NP, 
   }
 }
 
+// acc[m, :] += P[m, 0:n] · V[0:n, :] for MR <= 3 rows, 32 of the D values a pass: 4·MR chains in flight
+// (pv_tile's 16-value passes give 2·MR, which wait on the FMA latency when MR is small: a one-sample step's
+// units have MR = p, often 3). Each value's sum over j runs in the same order as pv_tile's: the same bits.
+template <int MR, typename T>
+inline void pv_tile_wide(const float* p, int64_t NP, int64_t n, const T* v, int64_t D, float* acc, int64_t& d) {
+  static_assert(MR <= 3, "4·MR accumulators, the values and the broadcasts fill AVX2's 16 registers at MR = 3");
+  for (; d + 32 <= D; d += 32) {
+    __m256 a[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int k = 0; k < 4; ++k) a[i][k] = _mm256_loadu_ps(acc + i * D + d + 8 * k);
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 pb[MR];
+      for (int i = 0; i < MR; ++i) pb[i] = _mm256_broadcast_ss(p + i * NP + j);
+      for (int k = 0; k < 4; ++k) {
+        const __m256 vk = load8(v + j * D + d + 8 * k);
+        for (int i = 0; i < MR; ++i) a[i][k] = _mm256_fmadd_ps(pb[i], vk, a[i][k]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + i * D + d + 8 * k, a[i][k]);
+  }
+}
+
 // acc[m, :] += P[m, 0:n] · V[0:n, :] for MR rows; V rows `vs` apart, D a multiple of 16.
 template <int MR, typename T>
 inline void pv_tile(const float* p, int64_t NP, int64_t n, const T* v, int64_t D, float* acc) {
-  for (int64_t d = 0; d < D; d += 16) {
+  int64_t d = 0;
+  if constexpr (MR <= 3) pv_tile_wide<MR>(p, NP, n, v, D, acc, d);
+  for (; d < D; d += 16) {
     __m256 a0[MR], a1[MR];
     for (int i = 0; i < MR; ++i) {
       a0[i] = _mm256_loadu_ps(acc + i * D + d);

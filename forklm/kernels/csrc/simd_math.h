@@ -22,8 +22,9 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// exp of 8 floats: Cody-Waite reduction by ln 2 and Cephes' degree-5 polynomial (~1 ulp on the
-// range that matters here, x <= 0); exp(-inf) = 0 exactly, NaN stays NaN.
+// exp of 8 floats: Cody-Waite reduction by ln 2 and Cephes' degree-5 polynomial (~1 ulp for x in
+// [−88.38, 88.38]; the softmaxes take x <= 0, SwiGLU both signs); outside it saturates: exp(-inf) = 0
+// exactly, large x gives ~2.4e38 (not inf); NaN stays NaN.
 inline __m256 exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
   x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  // NaN (second operand) passes through
