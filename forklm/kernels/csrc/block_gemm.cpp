@@ -180,14 +180,7 @@ void prologue_row(const float* x, int64_t K, Prologue mode, const float* w, floa
       const __m256 e = exp8(_mm256_xor_ps(g, sign));
       _mm256_storeu_ps(o8, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(u8)));
     };
-    int64_t i = 0;
-    for (; i + 8 <= K; i += 8) eight(x + i, u + i, out + i);
-    if (i < K) {  // the tail through the same arithmetic, padded
-      float g8[8] = {}, u8[8] = {}, o8[8];
-      std::copy(x + i, x + K, g8), std::copy(u + i, u + K, u8);
-      eight(g8, u8, o8);
-      std::copy(o8, o8 + (K - i), out + i);
-    }
+    for (int64_t i = 0; i < K; i += 8) eight(x + i, u + i, out + i);  // K a multiple of 32 (`product_input`)
   }
 }
 
@@ -351,10 +344,12 @@ inline __m128 pair_scales(const Weights& w, int64_t o, int64_t b) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(dpair));
 }
 
-// IQ4_NL's 16 levels (ggml's kvalues_iq4nl), in both 128-bit lanes for a pshufb lookup.
+// IQ4_NL's 16 levels (ggml's kvalues_iq4nl).
+constexpr int8_t IQ4_NL_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// The levels in both 128-bit lanes, for a pshufb lookup.
 inline __m256i iq4nl_levels() {
-  const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-  return _mm256_set_m128i(t, t);
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_NL_LEVELS)));
 }
 
 // Block b of output o as 32 bytes: Q41 the unsigned 4-bit values (H5: with their fifth bits), NL
@@ -1409,6 +1404,32 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
 
 enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL };
 
+constexpr bool r8_has_minima(int L) { return L == R8_Q4_1 || L == R8_Q5_1; }
+constexpr bool r8_has_fifth_bits(int L) { return L == R8_Q5_0 || L == R8_Q5_1; }
+constexpr int64_t r8_block_bytes(int L) { return L == R8_Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES; }
+
+// The arrays of interleaved weights with G groups of 8 outputs and nb blocks (qh: Q5 layouts only, m:
+// Q4_1 / Q5_1 only), as `gemm_r8` and `dequantize_rows_r8` read them.
+void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
+                     const torch::Tensor& m, int64_t G, int64_t nb) {
+  const int64_t bytes = r8_block_bytes(L);
+  TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(0) == G &&
+                  qs.size(1) == nb && qs.size(2) == bytes,
+              "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", ", nb, ", ", bytes,
+              "], got ", qs.sizes());
+  TORCH_CHECK(d.dim() == 3 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == G &&
+                  d.size(1) == nb && d.size(2) == 8,
+              "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
+  if (r8_has_minima(L))
+    TORCH_CHECK(m.defined() && m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() &&
+                    m.size(0) == G && m.size(1) == nb && m.size(2) == 8,
+                "interleaved block minima m must be contiguous float16 [", G, ", ", nb, ", 8]");
+  if (r8_has_fifth_bits(L))
+    TORCH_CHECK(qh.defined() && qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
+                    qh.is_cpu() && qh.size(0) == G && qh.size(1) == nb && qh.size(2) == 32,
+                "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
+}
+
 // L: the layout (q4_0_r8, iq4_nl_r8, q8_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m). count:
 // int64 [1] holding N (the last group may be padded).
 template <int L>
@@ -1416,9 +1437,9 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
                       const torch::Tensor& m, const torch::Tensor& count, int64_t mode_in,
                       const std::optional<torch::Tensor>& norm_weight, double eps,
                       const std::optional<torch::Tensor>& residual) {
-  constexpr bool MIN = L == R8_Q4_1 || L == R8_Q5_1, H5 = L == R8_Q5_0 || L == R8_Q5_1;
+  constexpr bool MIN = r8_has_minima(L), H5 = r8_has_fifth_bits(L);
   constexpr bool SIGNED = L == R8_Q8_0 || L == R8_IQ4_NL;
-  constexpr int64_t BLOCK_BYTES = L == R8_Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES;
+  constexpr int64_t BLOCK_BYTES = r8_block_bytes(L);
   const ProductInput in = product_input(x_in, mode_in, norm_weight);
   const torch::Tensor& x = in.x;
   const Prologue mode = in.mode;
@@ -1426,21 +1447,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   TORCH_CHECK(count.dim() == 1 && count.numel() == 1 && count.scalar_type() == torch::kInt64 && count.is_cpu(),
               "interleaved weights need their output count N as a one-element int64 tensor");
   const int64_t n = *count.data_ptr<int64_t>(), G = (n + 7) / 8;
-  TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(0) == G &&
-                  qs.size(1) == nb && qs.size(2) == BLOCK_BYTES,
-              "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", ", nb, ", ", BLOCK_BYTES,
-              "], got ", qs.sizes());
-  TORCH_CHECK(d.dim() == 3 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == G &&
-                  d.size(1) == nb && d.size(2) == 8,
-              "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
-  if (MIN)
-    TORCH_CHECK(m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() && m.size(0) == G &&
-                    m.size(1) == nb && m.size(2) == 8,
-                "interleaved block minima m must be contiguous float16 [", G, ", ", nb, ", 8]");
-  if (H5)
-    TORCH_CHECK(qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() && qh.is_cpu() && qh.size(0) == G &&
-                    qh.size(1) == nb && qh.size(2) == 32,
-                "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
+  check_r8_arrays(L, qs, qh, d, m, G, nb);
   const torch::Tensor res = checked_residual(residual, T, n);
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
@@ -2076,24 +2083,12 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
   const torch::Tensor qh = qh_in.value_or(torch::Tensor()), m = m_in.value_or(torch::Tensor());
   TORCH_CHECK(layout >= R8_Q4_0 && layout <= R8_IQ4_NL, "unknown interleaved layout ", layout);
   const R8Layout L = static_cast<R8Layout>(layout);
-  const bool q8 = L == R8_Q8_0, nl = L == R8_IQ4_NL, h5 = L == R8_Q5_0 || L == R8_Q5_1,
-             minima = L == R8_Q4_1 || L == R8_Q5_1;
-  const int64_t block_bytes = q8 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES, G = (n + 7) / 8;
-  TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(0) == G &&
-                  qs.size(2) == block_bytes,
-              "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", nb, ", block_bytes, "]");
+  const bool q8 = L == R8_Q8_0, nl = L == R8_IQ4_NL, h5 = r8_has_fifth_bits(L), minima = r8_has_minima(L);
+  const bool adds_m = !q8 && !nl;  // Q4_1 / Q5_1: the stored m; Q4_0 / Q5_0: −8d / −16d
+  const int64_t block_bytes = r8_block_bytes(L), G = (n + 7) / 8;
+  TORCH_CHECK(qs.dim() == 3, "interleaved block values must be a 3-dimensional tensor [G, nb, ", block_bytes, "]");
   const int64_t nb = qs.size(1), K = nb * QK;
-  TORCH_CHECK(d.dim() == 3 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == G &&
-                  d.size(1) == nb && d.size(2) == 8,
-              "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
-  if (minima)
-    TORCH_CHECK(m.defined() && m.sizes() == d.sizes() && m.scalar_type() == torch::kFloat16 && m.is_contiguous() &&
-                    m.is_cpu(),
-                "interleaved block minima m must be contiguous float16 CPU [", G, ", ", nb, ", 8]");
-  if (h5)
-    TORCH_CHECK(qh.defined() && qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
-                    qh.is_cpu() && qh.size(0) == G && qh.size(1) == nb && qh.size(2) == 32,
-                "interleaved fifth bits qh must be contiguous uint8 CPU [", G, ", ", nb, ", 32]");
+  check_r8_arrays(L, qs, qh, d, m, G, nb);
   TORCH_CHECK(ids_in.dim() == 1 && at::isIntegralType(ids_in.scalar_type(), /*includeBool=*/false),
               "ids must be a one-dimensional integer tensor, got ", ids_in.scalar_type(), " ", ids_in.sizes());
   const torch::Tensor ids = ids_in.to(torch::kCPU, torch::kInt64).contiguous();
@@ -2106,7 +2101,6 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
   const uint8_t* wh = h5 ? qh.data_ptr<uint8_t>() : nullptr;
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = minima ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
-  static const int8_t levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = ip[r] / 8, lane = ip[r] % 8;
@@ -2114,7 +2108,7 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t at = g * nb + b;
       const float db = _cvtsh_ss(wd[at * 8 + lane]);
-      const float mb = minima ? _cvtsh_ss(wm[at * 8 + lane]) : L == R8_Q4_0 ? -8 * db : L == R8_Q5_0 ? -16 * db : 0.f;
+      const float mb = minima ? _cvtsh_ss(wm[at * 8 + lane]) : h5 ? -16 * db : -8 * db;  // (used where adds_m)
       const uint8_t* w = wq + at * block_bytes;
       float q[QK];
       if (q8) {  // run j: values 4j..4j+3 of output `lane` at bytes 4·lane
@@ -2129,13 +2123,13 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
               const uint8_t bits = wh[at * 32 + 4 * lane + k];
               lo |= ((bits >> j) & 1) << 4, hi |= ((bits >> (4 + j)) & 1) << 4;
             }
-            q[4 * j + k] = nl ? levels[lo] : lo;
-            q[16 + 4 * j + k] = nl ? levels[hi] : hi;
+            q[4 * j + k] = nl ? IQ4_NL_LEVELS[lo] : lo;
+            q[16 + 4 * j + k] = nl ? IQ4_NL_LEVELS[hi] : hi;
           }
       }
       for (int i = 0; i < QK; ++i) {
         const float v = q[i] * db;  // (built with -ffp-contract=off: two roundings, as numpy's)
-        row[b * QK + i] = minima || L == R8_Q4_0 || L == R8_Q5_0 ? v + mb : v;
+        row[b * QK + i] = adds_m ? v + mb : v;
       }
     }
   }
