@@ -400,6 +400,16 @@ inline __m256i dot2_u8s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
 #endif
 }
 
+// acc + Σ over each pair of int16 lanes of a·b as int32 lanes (the per-16 scales of the K-quant tiles):
+// `vpdpwssd` in the VNNI build, madd + add in the AVX2 one; the same integers (no pair here is -2¹⁵·-2¹⁵).
+inline __m256i madd16_acc(__m256i acc, __m256i a, __m256i b) {
+#if FORKLM_VNNI
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // 8 int32 partial sums of w·x over one block of 32.
 template <bool Q41>
 inline __m256i block_dot(__m256i wv, __m256i xv) {
@@ -738,7 +748,7 @@ void tile_s16(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t
             // IQ4_XS: |w| times x carrying w's sign (|w| <= 127, |x| <= 127: pair sums <= 32258)
             __m256i xs = xv;
             if constexpr (S16 == SUB16_IQ4XS) xs = _mm256_sign_epi8(xv, sw[i]);
-            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], xs), scale[i]));
+            isum[i][j] = madd16_acc(isum[i][j], _mm256_maddubs_epi16(wv[i], xs), scale[i]);
           }
         }
       }
@@ -816,9 +826,8 @@ void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t 
           const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
           const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
           for (int i = 0; i < TO; ++i)
-            isum[i][j] = _mm256_add_epi32(isum[i][j],
-                                          _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wlo[i], xlo), slo[i]),
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(whi[i], xhi), shi[i])));
+            isum[i][j] = madd16_acc(madd16_acc(isum[i][j], _mm256_maddubs_epi16(wlo[i], xlo), slo[i]),
+                                    _mm256_maddubs_epi16(whi[i], xhi), shi[i]);
         }
       }
     }
@@ -914,7 +923,7 @@ void tile_k(const Weights& w, int64_t o, const KActs& x, float* y, int64_t N) {
         const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
         for (int i = 0; i < TO; ++i) {
           const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wlo[i], xlo), _mm256_maddubs_epi16(whi[i], xhi));
-          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(p16, scale[i]));
+          isum[i][j] = madd16_acc(isum[i][j], p16, scale[i]);
         }
       }
     }
@@ -1339,17 +1348,22 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
         int32_t a, c;
         std::memcpy(&a, xb + 4 * j, 4);
         std::memcpy(&c, xb + 16 + 4 * j, 4);
+#if FORKLM_VNNI  // straight into int32 lanes: the same integers, two instructions instead of five
+        isum[t] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(isum[t], lo, _mm256_set1_epi32(a)), hi, _mm256_set1_epi32(c));
+#else
         s[t] = _mm256_add_epi16(s[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
                                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c))));
+#endif
       }
-      if (H5 && j == 1)  // |Σ| <= 4·2·31·127 < 2^15: into int32 before the next two runs
+      if (!FORKLM_VNNI && H5 && j == 1)  // |Σ| <= 4·2·31·127 < 2^15: into int32 before the next two runs
         for (int t = 0; t < TN; ++t) isum[t] = _mm256_madd_epi16(s[t], ones), s[t] = _mm256_setzero_si256();
     }
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * 8)));
     __m256 m8 = _mm256_setzero_ps();
     if constexpr (MIN) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * 8)));
     for (int t = 0; t < TN; ++t) {
-      __m256i sum = H5 ? _mm256_add_epi32(isum[t], _mm256_madd_epi16(s[t], ones)) : _mm256_madd_epi16(s[t], ones);
+      __m256i sum = FORKLM_VNNI ? isum[t]
+                    : H5 ? _mm256_add_epi32(isum[t], _mm256_madd_epi16(s[t], ones)) : _mm256_madd_epi16(s[t], ones);
       if constexpr (!MIN) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(OFFSET * xs[t * nb + b]));
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx[t * nb + b])), _mm256_cvtepi32_ps(sum), acc[t]);
       if constexpr (MIN) acc[t] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[t * nb + b]), acc[t]);
