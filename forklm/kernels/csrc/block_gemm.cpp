@@ -1377,7 +1377,9 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
 // ones 16 + 4j..): acc[t] lanes = outputs. Each signed run r (Q8_0's run r; IQ4_NL's run r's low
 // nibbles for r < 4, run r − 4's high ones after) meets the activations' bytes 4r..4r+3 broadcast:
 // |w| (unsigned) times x carrying w's sign, 4 products summed into an int32 lane (|w| <= 128,
-// |x| <= 127: no int16 pair saturates); one float chain per (output, row) over the blocks:
+// |x| <= 127: no int16 pair saturates). The VNNI build instead reads x + 128 as unsigned bytes against
+// the signed weights (`vpdpbusd`, no sign flips per row) and takes 128·Σ w (one chain per block, shared
+// by the rows) back out: the same integers. One float chain per (output, row) over the blocks:
 //   acc = fma(d·dx_b, float(Σ q_w·q_x), acc)
 template <bool NL, int TN>
 inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, const int8_t* xq, const float* dx,
@@ -1393,13 +1395,26 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
     }
     __m256i isum[TN];
     for (int t = 0; t < TN; ++t) isum[t] = _mm256_setzero_si256();
+#if FORKLM_VNNI
+    __m256i bias = _mm256_setzero_si256();  // 128·Σ w of each output's block, one chain shared by the rows
+    const __m256i u128 = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
     const auto run = [&](__m256i v, int r) {  // v: signed int8 values 4r..4r+3 of the 8 outputs
+#if FORKLM_VNNI  // xq holds x + 128 (`gemm_r8`): unsigned bytes straight against the signed weights
+      bias = _mm256_dpbusd_epi32(bias, u128, v);
+      for (int t = 0; t < TN; ++t) {
+        int32_t xb;
+        std::memcpy(&xb, xq + t * K + b * QK + 4 * r, 4);
+        isum[t] = _mm256_dpbusd_epi32(isum[t], _mm256_set1_epi32(xb), v);
+      }
+#else
       const __m256i a = _mm256_sign_epi8(v, v);
       for (int t = 0; t < TN; ++t) {
         int32_t xb;
         std::memcpy(&xb, xq + t * K + b * QK + 4 * r, 4);
         isum[t] = dot_u8s8(isum[t], a, _mm256_sign_epi8(_mm256_set1_epi32(xb), v));
       }
+#endif
     };
     if constexpr (NL) {
       for (int j = 0; j < 4; ++j) {
@@ -1410,6 +1425,9 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
     } else {
       for (int r = 0; r < 8; ++r) run(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * r)), r);
     }
+#if FORKLM_VNNI
+    for (int t = 0; t < TN; ++t) isum[t] = _mm256_sub_epi32(isum[t], bias);  // Σ (x + 128)·w − 128·Σ w = Σ x·w
+#endif
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * 8)));
     for (int t = 0; t < TN; ++t)
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(dx[t * nb + b])), _mm256_cvtepi32_ps(isum[t]), acc[t]);
@@ -1473,6 +1491,10 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   std::vector<int32_t>& xs = buf.block_sums;
   xs.resize(MIN || SIGNED ? 0 : T * nb);
   if constexpr (!MIN && !SIGNED) block_sums(buf.q.data(), T * nb, xs.data());
+  // The VNNI build's signed tiles read x + 128 as unsigned bytes (`vpdpbusd` multiplies unsigned by
+  // signed; |x| <= 127, so x + 128 is 1..255: the top bit flipped) and take 128·Σ w back out per block.
+  if constexpr (SIGNED && FORKLM_VNNI)
+    for (int8_t& v : buf.q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
   const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = MIN ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
