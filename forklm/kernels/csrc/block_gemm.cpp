@@ -373,7 +373,9 @@ inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
 // The `_vnni` build (block_gemm.py: CPUs with AVX512-VNNI and AVX512-VL) sums byte products with
 // `vpdpbusd`; the AVX2 build with maddubs + madd. Both give the same integers (no int16 pair sum
 // here can saturate: |u| <= 128, |s| <= 127 and u·s pairs stay below 2¹⁵), so the two builds'
-// products are equal bit for bit.
+// products are equal bit for bit. The VNNI build also runs the Q4_K / Q5_K / Q6_K tiles' integer sums
+// on 512-bit vectors at two rows or more, two halves whose int32 lanes add up to the AVX2 build's (`k_super_block_512`,
+// `q6_super_block_512`), and Q4_K / Q5_K in tiles of 8 rows (32 vector registers): the same integers.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define FORKLM_VNNI 1
 #else
@@ -781,6 +783,64 @@ void tile_s16_rows(const Weights& w, int64_t o0, int64_t o1, const SuperActs& x,
   for (; o < o1; ++o) tile_s16<S16, 1, TN>(w, o, x, y, N);
 }
 
+#if FORKLM_VNNI
+// The low and high 256 bits of v added as int32 lanes.
+inline __m256i fold_halves(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+// `load_q6_pair`'s lo in the low 256 bits and hi in the high 256 bits of one vector.
+inline __m512i load_q6_pair_512(const Weights& w, int64_t o, int64_t pr) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + o * w.row_bytes + pr * QK)));
+  const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q2 + (o * w.nb + 2 * pr) * 8)));
+  // low 4 bits: low nibbles (low half), high nibbles (high half); bits 4-5: `load_q6_pair`'s shifts as
+  // rotations (what a rotation brings round lands outside bits 4-5 of each byte, which the mask drops)
+  const __m512i low = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)), _mm512_set1_epi8(0x0F));
+  const __m512i high = _mm512_and_si512(_mm512_rolv_epi64(b, _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62)), _mm512_set1_epi8(0x30));
+  return _mm512_or_si512(low, high);
+}
+
+// `tile_q6`'s integer sums of super-block sb in 512-bit vectors (the VNNI build): a pair's lo values
+// in the low 256 bits and its hi values in the high 256 bits meet the row's 64 paired bytes in one
+// maddubs, and one vpdpwssd applies both halves' scales. Lane l of the low half sums what `tile_q6`'s
+// lane l sums from lo, lane l of the high half what it sums from hi: their sum (`fold_halves`, in
+// int32) is the AVX2 build's integer, so both builds' products stay equal bit for bit.
+template <int TO, int TN>
+inline void q6_super_block_512(const Weights& w, int64_t o, const SuperActs& x, int64_t sb, const __m256i* sc16,
+                               __m256i (*isum)[TN]) {
+  __m512i wide[TO][TN];
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) wide[i][j] = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3: sub-blocks 8h .. 8h + 7
+    __m512i halves[TO];  // the half's 8 scales as int16 in each 128-bit lane
+    for (int i = 0; i < TO; ++i)
+      halves[i] = _mm512_broadcast_i32x4(h ? _mm256_extracti128_si256(sc16[i], 1) : _mm256_castsi256_si128(sc16[i]));
+    for (int q = 0; q < 2; ++q) {  // the pair of blocks 4h + 2q, 4h + 2q + 1
+      const int64_t pr = sb * 4 + 2 * h + q;
+      const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(pick_scales(4 * q, 4 * q + 2)),
+                                              pick_scales(4 * q + 1, 4 * q + 3), 1);
+      __m512i wv[TO], sc[TO];
+      for (int i = 0; i < TO; ++i) {
+        wv[i] = load_q6_pair_512(w, o + i, pr);
+        sc[i] = _mm512_shuffle_epi8(halves[i], pick);
+      }
+      for (int j = 0; j < TN; ++j) {
+        const __m512i xv = _mm512_loadu_si512(x.q + j * x.K + pr * 2 * QK);  // the pair's low then high halves
+        for (int i = 0; i < TO; ++i) wide[i][j] = _mm512_dpwssd_epi32(wide[i][j], _mm512_maddubs_epi16(wv[i], xv), sc[i]);
+      }
+    }
+  }
+  // the offset: − 32·Σ sc·(the row's sums of 16), in the same chain (`tile_q6` takes it off the AVX2 build's sums)
+  for (int i = 0; i < TO; ++i) {
+    const __m256i offset_scales = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc16[i], 5));
+    for (int j = 0; j < TN; ++j) {
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + j * (x.K / 16) + sb * 16));
+      isum[i][j] = _mm256_dpwssd_epi32(fold_halves(wide[i][j]), sums, offset_scales);
+    }
+  }
+}
+#endif
+
 // Q6_K products of TO outputs and TN rows, in integers within each super-block of 256 as `tile_s16`
 // runs the other types with scales per 16 values, but two blocks at a time: one pair (`load_q6_pair`)
 // meets the row's paired activations (`pair_activations`: a 32-byte load each for the pair's low and
@@ -806,36 +866,46 @@ void tile_q6(const Weights& w, int64_t o, const SuperActs& x, float* y, int64_t 
       ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
     }
     __m256i isum[TO][TN];
-    for (int i = 0; i < TO; ++i)
-      for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3: sub-blocks 8h .. 8h + 7
-      __m256i halves[TO];  // the half's 8 scales as int16 in both 128-bit lanes
+#if FORKLM_VNNI  // (a lone row's products stream their weights: 256-bit vectors there)
+    if constexpr (TN > 1) {
+      q6_super_block_512<TO, TN>(w, o, x, sb, sc16, isum);
+    } else
+#endif
+    {
       for (int i = 0; i < TO; ++i)
-        halves[i] = h ? _mm256_permute2x128_si256(sc16[i], sc16[i], 0x11) : _mm256_permute2x128_si256(sc16[i], sc16[i], 0x00);
-      for (int q = 0; q < 2; ++q) {  // the pair of blocks 4h + 2q, 4h + 2q + 1
-        const int64_t pr = sb * 4 + 2 * h + q;
-        const __m256i pick_lo = pick_scales(4 * q, 4 * q + 2), pick_hi = pick_scales(4 * q + 1, 4 * q + 3);
-        __m256i wlo[TO], whi[TO], slo[TO], shi[TO];
-        for (int i = 0; i < TO; ++i) {
-          load_q6_pair(w, o + i, pr, wlo[i], whi[i]);
-          slo[i] = _mm256_shuffle_epi8(halves[i], pick_lo);
-          shi[i] = _mm256_shuffle_epi8(halves[i], pick_hi);
+        for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3: sub-blocks 8h .. 8h + 7
+        __m256i halves[TO];  // the half's 8 scales as int16 in both 128-bit lanes
+        for (int i = 0; i < TO; ++i)
+          halves[i] = h ? _mm256_permute2x128_si256(sc16[i], sc16[i], 0x11) : _mm256_permute2x128_si256(sc16[i], sc16[i], 0x00);
+        for (int q = 0; q < 2; ++q) {  // the pair of blocks 4h + 2q, 4h + 2q + 1
+          const int64_t pr = sb * 4 + 2 * h + q;
+          const __m256i pick_lo = pick_scales(4 * q, 4 * q + 2), pick_hi = pick_scales(4 * q + 1, 4 * q + 3);
+          __m256i wlo[TO], whi[TO], slo[TO], shi[TO];
+          for (int i = 0; i < TO; ++i) {
+            load_q6_pair(w, o + i, pr, wlo[i], whi[i]);
+            slo[i] = _mm256_shuffle_epi8(halves[i], pick_lo);
+            shi[i] = _mm256_shuffle_epi8(halves[i], pick_hi);
+          }
+          for (int j = 0; j < TN; ++j) {
+            const int8_t* xj = x.q + j * x.K + pr * 2 * QK;
+            const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
+            const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
+            for (int i = 0; i < TO; ++i)
+              isum[i][j] = madd16_acc(madd16_acc(isum[i][j], _mm256_maddubs_epi16(wlo[i], xlo), slo[i]),
+                                      _mm256_maddubs_epi16(whi[i], xhi), shi[i]);
+          }
         }
-        for (int j = 0; j < TN; ++j) {
-          const int8_t* xj = x.q + j * x.K + pr * 2 * QK;
-          const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
-          const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
-          for (int i = 0; i < TO; ++i)
-            isum[i][j] = madd16_acc(madd16_acc(isum[i][j], _mm256_maddubs_epi16(wlo[i], xlo), slo[i]),
-                                    _mm256_maddubs_epi16(whi[i], xhi), shi[i]);
-        }
-      }
+    }
     }
     for (int j = 0; j < TN; ++j) {
-      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + j * (x.K / 16) + sb * 16));
       const float dx = x.d[j * nsb + sb];
       for (int i = 0; i < TO; ++i) {
-        const __m256i total = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), 5));  // 32·Σ
+        __m256i total = isum[i][j];  // `q6_super_block_512` takes the offset off itself
+        if (!FORKLM_VNNI || TN == 1) {
+          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + j * (x.K / 16) + sb * 16));
+          total = _mm256_sub_epi32(total, _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16[i]), 5));  // 32·Σ
+        }
         acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(ds[i] * dx), _mm256_cvtepi32_ps(total), acc[i][j]);
       }
     }
@@ -877,6 +947,55 @@ struct KActs {
   KActs rows_from(int64_t t) const { return KActs{xp + t * K, d + t * (K / QKK), K, mt + t * mt_ld, mt_ld, mt_o0}; }
 };
 
+#if FORKLM_VNNI
+// `tile_k`'s integer sums of super-block sb in 512-bit vectors (the VNNI build): a block pair's low
+// values (as `tile_k`'s wlo) in the low 256 bits and its high values (whi) in the high 256 bits meet
+// the row's 64 paired bytes in one maddubs, and vpdpwssd applies the blocks' scales (the same per
+// half); two pairs a step. Lane l of the low half then holds what `tile_k`'s lane l sums from the low
+// values, lane l of the high half what it sums from the high ones: their sum (`fold_halves`, in
+// int32) is the AVX2 build's integer, so both builds' products stay equal bit for bit.
+template <int TO, int TN, bool H5>
+inline void k_super_block_512(const Weights& w, int64_t o, const KActs& x, int64_t sb, const __m256i* sc8,
+                              __m256i (*isum)[TN]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i nibble_shift = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);  // low half: low nibbles; high: high
+  __m512i wide[TO][TN], sc8x4[TO];
+  for (int i = 0; i < TO; ++i) {
+    sc8x4[i] = _mm512_broadcast_i64x4(sc8[i]);
+    for (int j = 0; j < TN; ++j) wide[i][j] = _mm512_setzero_si512();
+  }
+  for (int p = 0; p < 4; p += 2) {  // block pairs p and p + 1 of the super-block
+    const int64_t pr = sb * 4 + p;
+    const __m512i pick0 = _mm512_broadcast_i64x4(pick_scale_pair(p)), pick1 = _mm512_broadcast_i64x4(pick_scale_pair(p + 1));
+    __m512i w0[TO], w1[TO], s0[TO], s1[TO];
+    for (int i = 0; i < TO; ++i) {
+      const __m512i v = _mm512_loadu_si512(w.qs + (o + i) * w.row_bytes + pr * QK);  // pairs pr and pr + 1
+      w0[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(v, v, 0x44), nibble_shift), low4);
+      w1[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(v, v, 0xEE), nibble_shift), low4);
+      if constexpr (H5) {  // the fifth bits: one mask bit a value, in `high_bits`' order (words 2pr .. 2pr + 3)
+        uint64_t m0, m1;
+        std::memcpy(&m0, w.qh + (o + i) * w.nb + 2 * pr, 8);
+        std::memcpy(&m1, w.qh + (o + i) * w.nb + 2 * pr + 2, 8);
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        w0[i] = _mm512_or_si512(w0[i], _mm512_maskz_mov_epi8(_cvtu64_mask64(m0), bit4));
+        w1[i] = _mm512_or_si512(w1[i], _mm512_maskz_mov_epi8(_cvtu64_mask64(m1), bit4));
+      }
+      s0[i] = _mm512_shuffle_epi8(sc8x4[i], pick0);
+      s1[i] = _mm512_shuffle_epi8(sc8x4[i], pick1);
+    }
+    for (int j = 0; j < TN; ++j) {
+      const int8_t* xj = x.xp + j * x.K + pr * 2 * QK;  // pair pr's low then high halves, then pair pr + 1's
+      const __m512i x0 = _mm512_loadu_si512(xj), x1 = _mm512_loadu_si512(xj + 2 * QK);
+      for (int i = 0; i < TO; ++i)
+        wide[i][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(wide[i][j], _mm512_maddubs_epi16(w0[i], x0), s0[i]),
+                                         _mm512_maddubs_epi16(w1[i], x1), s1[i]);
+    }
+  }
+  for (int i = 0; i < TO; ++i)
+    for (int j = 0; j < TN; ++j) isum[i][j] = fold_halves(wide[i][j]);
+}
+#endif
+
 // Q4_K / Q5_K products of TO outputs and TN rows, in integers within each super-block of 256 (the
 // scheme ggml runs K-quants with): a 32-byte load holds blocks b and b + 1's values (as `paired_tile`
 // reads Q4_1), maddubs of both halves with the row's paired int8 values gives int16 sums (<= 2·2·31·127),
@@ -901,31 +1020,38 @@ void tile_k(const Weights& w, int64_t o, const KActs& x, float* y, int64_t N) {
       ds[i] = half_to_float(w.d[(o + i) * nsb + sb]);
     }
     __m256i isum[TO][TN];
-    for (int i = 0; i < TO; ++i)
-      for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {  // blocks 2p and 2p + 1 of the super-block
-      const int64_t pr = sb * 4 + p;
-      const __m256i pick = pick_scale_pair(p);  // blocks 2p, 2p + 1 of the super-block's 8
-      __m256i wlo[TO], whi[TO], scale[TO];
-      for (int i = 0; i < TO; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + pr * QK));
-        wlo[i] = _mm256_and_si256(v, low4);
-        whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if constexpr (H5) {
-          wlo[i] = _mm256_or_si256(wlo[i], high_bits(w.qh[(o + i) * nb + 2 * pr]));
-          whi[i] = _mm256_or_si256(whi[i], high_bits(w.qh[(o + i) * nb + 2 * pr + 1]));
-        }
-        scale[i] = _mm256_shuffle_epi8(sc8[i], pick);
-      }
-      for (int j = 0; j < TN; ++j) {
-        const int8_t* xj = x.xp + j * x.K + pr * 2 * QK;
-        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
-        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
+#if FORKLM_VNNI  // (a lone row's products stream their weights: 256-bit vectors there)
+    if constexpr (TN > 1) {
+      k_super_block_512<TO, TN, H5>(w, o, x, sb, sc8, isum);
+    } else
+#endif
+    {
+      for (int i = 0; i < TO; ++i)
+        for (int j = 0; j < TN; ++j) isum[i][j] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {  // blocks 2p and 2p + 1 of the super-block
+        const int64_t pr = sb * 4 + p;
+        const __m256i pick = pick_scale_pair(p);  // blocks 2p, 2p + 1 of the super-block's 8
+        __m256i wlo[TO], whi[TO], scale[TO];
         for (int i = 0; i < TO; ++i) {
-          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wlo[i], xlo), _mm256_maddubs_epi16(whi[i], xhi));
-          isum[i][j] = madd16_acc(isum[i][j], p16, scale[i]);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (o + i) * w.row_bytes + pr * QK));
+          wlo[i] = _mm256_and_si256(v, low4);
+          whi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (H5) {
+            wlo[i] = _mm256_or_si256(wlo[i], high_bits(w.qh[(o + i) * nb + 2 * pr]));
+            whi[i] = _mm256_or_si256(whi[i], high_bits(w.qh[(o + i) * nb + 2 * pr + 1]));
+          }
+          scale[i] = _mm256_shuffle_epi8(sc8[i], pick);
         }
-      }
+        for (int j = 0; j < TN; ++j) {
+          const int8_t* xj = x.xp + j * x.K + pr * 2 * QK;
+          const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj));
+          const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj + QK));
+          for (int i = 0; i < TO; ++i) {
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wlo[i], xlo), _mm256_maddubs_epi16(whi[i], xhi));
+            isum[i][j] = madd16_acc(isum[i][j], p16, scale[i]);
+          }
+        }
+    }
     }
     for (int j = 0; j < TN; ++j) {
       const float dx = x.d[j * nsb + sb];
@@ -1239,6 +1365,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
         }
       } else if constexpr (KS) {
         const KActs k_rows{xpairs.data(), dx, K, minima.data(), c1 - c0, c0};
+        if (FORKLM_VNNI)  // 32 vector registers: 8 rows a tile
+          for (; t + 8 <= T; t += 8) tile_k_rows<1, 8, H5>(w, c0, c1, k_rows.rows_from(t), yp + t * n, n);
         for (; t + 4 <= T; t += 4)
           tile_k_rows<1, 4, H5>(w, c0, c1, k_rows.rows_from(t), yp + t * n, n);
         const KActs rest = k_rows.rows_from(t);
