@@ -375,7 +375,9 @@ inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
 // here can saturate: |u| <= 128, |s| <= 127 and u·s pairs stay below 2¹⁵), so the two builds'
 // products are equal bit for bit. The VNNI build also runs the Q4_K / Q5_K / Q6_K tiles' integer sums
 // on 512-bit vectors at two rows or more, two halves whose int32 lanes add up to the AVX2 build's (`k_super_block_512`,
-// `q6_super_block_512`), and Q4_K / Q5_K in tiles of 8 rows (32 vector registers): the same integers.
+// `q6_super_block_512`), and Q4_K / Q5_K in tiles of 8 rows (32 vector registers): the same integers;
+// and the interleaved layouts two groups of 8 outputs to a 512-bit vector (`tile_r8_x2`,
+// `tile_r8_signed_x2`), lane for lane `tile_r8`'s operations.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define FORKLM_VNNI 1
 #else
@@ -1562,6 +1564,116 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
   }
 }
 
+#if FORKLM_VNNI
+// Two 256-bit loads as the low and high halves of one vector.
+inline __m512i load_halves(const void* lo, const void* hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+
+// 8 float16 values from lo and 8 from hi as 16 floats.
+inline __m512 halves_to_float16(const uint16_t* lo, const uint16_t* hi) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1));
+}
+
+// `tile_r8` over two groups at once (the VNNI build, two rows or more): the 16 outputs of groups g and
+// g + 1 in the lanes of one 512-bit vector, group g's in the low half. Each lane's integers and float
+// chain are `tile_r8`'s, so the same bits with half the instructions. wq, wh, wd, wm: group g's arrays.
+template <bool MIN, bool H5, int TN>
+inline void tile_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t nb,
+                       const int8_t* xq, const float* dx, const float* sx, const int32_t* xs, int64_t K, __m512* acc,
+                       bool prefetch) {
+  const int64_t next = nb * R8_BLOCK_BYTES;  // group g + 1's values; its scales and minima nb·8 on, fifth bits nb·32
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  constexpr int32_t OFFSET = H5 ? 16 : 8;  // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16)
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * R8_BLOCK_BYTES;
+    if (prefetch) {  // as `tile_r8`, both groups' streams
+      for (const uint8_t* g : {w, w + next}) prefetch_ahead(g, R8_PREFETCH_BYTES), prefetch_ahead(g, R8_PREFETCH_BYTES + 64);
+      if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES / 8), prefetch_ahead(wd + (nb + b) * 8, R8_PREFETCH_BYTES / 8);
+      if (MIN && b % 4 == 0)
+        prefetch_ahead(wm + b * 8, R8_PREFETCH_BYTES / 8), prefetch_ahead(wm + (nb + b) * 8, R8_PREFETCH_BYTES / 8);
+      if (H5 && b % 2 == 0)
+        prefetch_ahead(wh + b * 32, R8_PREFETCH_BYTES / 4), prefetch_ahead(wh + (nb + b) * 32, R8_PREFETCH_BYTES / 4);
+    }
+    __m512i fifth = _mm512_setzero_si512();
+    if constexpr (H5) fifth = load_halves(wh + b * 32, wh + (nb + b) * 32);
+    __m512i isum[TN];
+    for (int t = 0; t < TN; ++t) isum[t] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = load_halves(w + 32 * j, w + next + 32 * j);
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (H5) {
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), bit4));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), bit4));
+      }
+      for (int t = 0; t < TN; ++t) {
+        const int8_t* xb = xq + t * K + b * QK;
+        int32_t a, c;
+        std::memcpy(&a, xb + 4 * j, 4);
+        std::memcpy(&c, xb + 16 + 4 * j, 4);
+        isum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], lo, _mm512_set1_epi32(a)), hi, _mm512_set1_epi32(c));
+      }
+    }
+    const __m512 d16 = halves_to_float16(wd + b * 8, wd + (nb + b) * 8);
+    __m512 m16 = _mm512_setzero_ps();
+    if constexpr (MIN) m16 = halves_to_float16(wm + b * 8, wm + (nb + b) * 8);
+    for (int t = 0; t < TN; ++t) {
+      __m512i sum = isum[t];
+      if constexpr (!MIN) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET * xs[t * nb + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx[t * nb + b])), _mm512_cvtepi32_ps(sum), acc[t]);
+      if constexpr (MIN) acc[t] = _mm512_fmadd_ps(m16, _mm512_set1_ps(sx[t * nb + b]), acc[t]);
+    }
+  }
+}
+
+// `tile_r8_signed` over two groups at once (as `tile_r8_x2`): the same integers and float chains.
+template <bool NL, int TN>
+inline void tile_r8_signed_x2(const uint8_t* wq, const uint16_t* wd, int64_t nb, const int8_t* xq, const float* dx,
+                              int64_t K, __m512* acc, bool prefetch) {
+  constexpr int64_t BYTES = NL ? R8_BLOCK_BYTES : R8_Q8_BLOCK_BYTES;
+  const int64_t next = nb * BYTES;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), levels = _mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4nl_levels()));
+  const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * BYTES;
+    if (prefetch) {  // as `tile_r8_signed`, both groups' streams
+      for (int64_t i = 0; i < BYTES; i += 64)
+        prefetch_ahead(w, R8_PREFETCH_BYTES + i), prefetch_ahead(w + next, R8_PREFETCH_BYTES + i);
+      if (b % 4 == 0)
+        prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES * 16 / BYTES), prefetch_ahead(wd + (nb + b) * 8, R8_PREFETCH_BYTES * 16 / BYTES);
+    }
+    __m512i isum[TN];
+    for (int t = 0; t < TN; ++t) isum[t] = _mm512_setzero_si512();
+    __m512i bias = _mm512_setzero_si512();  // 128·Σ w of each output's block (xq holds x + 128: `gemm_r8`)
+    const auto run = [&](__m512i v, int r) {  // v: signed int8 values 4r..4r+3 of the 16 outputs
+      bias = _mm512_dpbusd_epi32(bias, u128, v);
+      for (int t = 0; t < TN; ++t) {
+        int32_t xb;
+        std::memcpy(&xb, xq + t * K + b * QK + 4 * r, 4);
+        isum[t] = _mm512_dpbusd_epi32(isum[t], _mm512_set1_epi32(xb), v);
+      }
+    };
+    if constexpr (NL) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = load_halves(w + 32 * j, w + next + 32 * j);
+        run(_mm512_shuffle_epi8(levels, _mm512_and_si512(v, low4)), j);
+        run(_mm512_shuffle_epi8(levels, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)), 4 + j);
+      }
+    } else {
+      for (int r = 0; r < 8; ++r) run(load_halves(w + 32 * r, w + next + 32 * r), r);
+    }
+    const __m512 d16 = halves_to_float16(wd + b * 8, wd + (nb + b) * 8);
+    for (int t = 0; t < TN; ++t)
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(dx[t * nb + b])),
+                               _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], bias)), acc[t]);
+  }
+}
+#endif
+
 enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL };
 
 constexpr bool r8_has_minima(int L) { return L == R8_Q4_1 || L == R8_Q5_1; }
@@ -1652,7 +1764,25 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
       const int64_t c1 = std::min(g1, c0 + GROUPS_PER_CHUNK);
       const auto rows = [&](auto tile_rows, int64_t t) {
         constexpr int TN = decltype(tile_rows)::value;
-        for (int64_t g = c0; g < c1; ++g) {
+        int64_t g = c0;
+#if FORKLM_VNNI  // two groups a tile in 512-bit vectors (a lone row's products stream their weights: one group)
+        if constexpr (TN > 1)
+          for (; g + 2 <= c1; g += 2) {
+            __m512 acc[TN];
+            if constexpr (SIGNED)
+              tile_r8_signed_x2<L == R8_IQ4_NL, TN>(wq + g * group_bytes, wd + g * nb * 8, nb, xq + t * K, dx + t * nb, K,
+                                                    acc, t == 0);
+            else
+              tile_r8_x2<MIN, H5, TN>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * nb * 8,
+                                      MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
+                                      MIN ? nullptr : xsp + t * nb, K, acc, t == 0);
+            for (int i = 0; i < TN; ++i) {
+              store(g, t + i, _mm512_castps512_ps256(acc[i]));
+              store(g + 1, t + i, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+            }
+          }
+#endif
+        for (; g < c1; ++g) {
           __m256 acc[TN];
           if constexpr (SIGNED)
             tile_r8_signed<L == R8_IQ4_NL, TN>(wq + g * group_bytes, wd + g * nb * 8, nb, xq + t * K, dx + t * nb, K, acc,
