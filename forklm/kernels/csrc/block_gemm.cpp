@@ -378,7 +378,7 @@ inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
 // `q6_super_block_512`), and Q4_K / Q5_K in tiles of 8 rows (32 vector registers): the same integers;
 // and the interleaved layouts two groups of 8 outputs to a 512-bit vector (`tile_r8_x2`,
 // `tile_r8_signed_x2`), lane for lane `tile_r8`'s operations.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define FORKLM_VNNI 1
 #else
 #define FORKLM_VNNI 0
@@ -1367,7 +1367,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
         }
       } else if constexpr (KS) {
         const KActs k_rows{xpairs.data(), dx, K, minima.data(), c1 - c0, c0};
-        if (FORKLM_VNNI)  // 32 vector registers: 8 rows a tile
+        if constexpr (FORKLM_VNNI)  // 32 vector registers: 8 rows a tile
           for (; t + 8 <= T; t += 8) tile_k_rows<1, 8, H5>(w, c0, c1, k_rows.rows_from(t), yp + t * n, n);
         for (; t + 4 <= T; t += 4)
           tile_k_rows<1, 4, H5>(w, c0, c1, k_rows.rows_from(t), yp + t * n, n);
