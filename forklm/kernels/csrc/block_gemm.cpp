@@ -1444,6 +1444,23 @@ inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
   }
 }
 
+// One group's block b into cache ahead of its tile (values R8_PREFETCH_BYTES ahead, the scales, minima
+// and fifth bits as far in blocks): `tile_r8`'s layouts (w: block b's values).
+template <bool MIN, bool H5>
+inline void prefetch_r8_block(const uint8_t* w, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t b) {
+  prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
+  if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES / 8);
+  if (MIN && b % 4 == 0) prefetch_ahead(wm + b * 8, R8_PREFETCH_BYTES / 8);
+  if (H5 && b % 2 == 0) prefetch_ahead(wh + b * 32, R8_PREFETCH_BYTES / 4);
+}
+
+// The same for `tile_r8_signed`'s layouts (BYTES a block).
+template <int64_t BYTES>
+inline void prefetch_r8_signed_block(const uint8_t* w, const uint16_t* wd, int64_t b) {
+  for (int64_t i = 0; i < BYTES; i += 64) prefetch_ahead(w, R8_PREFETCH_BYTES + i);
+  if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES * 16 / BYTES);
+}
+
 // Rows [0, TN) of `x` times the 8 outputs of one group: acc[t] lanes = outputs. H5: Q5_0 / Q5_1, the
 // values' fifth bits in 32 bytes per block (`qh8`: byte 4r + k holds, at bit j, the fifth bit of value
 // 4j + k of output r, at bit 4 + j that of value 16 + 4j + k), ORed into run j's nibbles as bit 4.
@@ -1456,12 +1473,7 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
-    if (prefetch) {  // the values R8_PREFETCH_BYTES ahead, the scales, minima and fifth bits as far in blocks
-      prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
-      if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES / 8);
-      if (MIN && b % 4 == 0) prefetch_ahead(wm + b * 8, R8_PREFETCH_BYTES / 8);
-      if (H5 && b % 2 == 0) prefetch_ahead(wh + b * 32, R8_PREFETCH_BYTES / 4);
-    }
+    if (prefetch) prefetch_r8_block<MIN, H5>(w, wh, wd, wm, b);
     __m256i fifth = _mm256_setzero_si256();
     if constexpr (H5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + b * 32));
     __m256i s[TN], isum[TN];
@@ -1519,10 +1531,7 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * BYTES;
-    if (prefetch) {  // as `tile_r8`
-      for (int64_t i = 0; i < BYTES; i += 64) prefetch_ahead(w, R8_PREFETCH_BYTES + i);
-      if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES * 16 / BYTES);
-    }
+    if (prefetch) prefetch_r8_signed_block<BYTES>(w, wd, b);
     __m256i isum[TN];
     for (int t = 0; t < TN; ++t) isum[t] = _mm256_setzero_si256();
 #if FORKLM_VNNI
@@ -1590,13 +1599,9 @@ inline void tile_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
-    if (prefetch) {  // as `tile_r8`, both groups' streams
-      for (const uint8_t* g : {w, w + next}) prefetch_ahead(g, R8_PREFETCH_BYTES), prefetch_ahead(g, R8_PREFETCH_BYTES + 64);
-      if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES / 8), prefetch_ahead(wd + (nb + b) * 8, R8_PREFETCH_BYTES / 8);
-      if (MIN && b % 4 == 0)
-        prefetch_ahead(wm + b * 8, R8_PREFETCH_BYTES / 8), prefetch_ahead(wm + (nb + b) * 8, R8_PREFETCH_BYTES / 8);
-      if (H5 && b % 2 == 0)
-        prefetch_ahead(wh + b * 32, R8_PREFETCH_BYTES / 4), prefetch_ahead(wh + (nb + b) * 32, R8_PREFETCH_BYTES / 4);
+    if (prefetch) {  // both groups' streams
+      prefetch_r8_block<MIN, H5>(w, wh, wd, wm, b);
+      prefetch_r8_block<MIN, H5>(w + next, H5 ? wh + nb * 32 : nullptr, wd + nb * 8, MIN ? wm + nb * 8 : nullptr, b);
     }
     __m512i fifth = _mm512_setzero_si512();
     if constexpr (H5) fifth = load_halves(wh + b * 32, wh + (nb + b) * 32);
@@ -1640,12 +1645,7 @@ inline void tile_r8_signed_x2(const uint8_t* wq, const uint16_t* wd, int64_t nb,
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * BYTES;
-    if (prefetch) {  // as `tile_r8_signed`, both groups' streams
-      for (int64_t i = 0; i < BYTES; i += 64)
-        prefetch_ahead(w, R8_PREFETCH_BYTES + i), prefetch_ahead(w + next, R8_PREFETCH_BYTES + i);
-      if (b % 4 == 0)
-        prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES * 16 / BYTES), prefetch_ahead(wd + (nb + b) * 8, R8_PREFETCH_BYTES * 16 / BYTES);
-    }
+    if (prefetch) prefetch_r8_signed_block<BYTES>(w, wd, b), prefetch_r8_signed_block<BYTES>(w + next, wd + nb * 8, b);  // both groups
     __m512i isum[TN];
     for (int t = 0; t < TN; ++t) isum[t] = _mm512_setzero_si512();
     __m512i bias = _mm512_setzero_si512();  // 128·Σ w of each output's block (xq holds x + 128: `gemm_r8`)
