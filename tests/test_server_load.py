@@ -37,7 +37,7 @@ def test_disconnect_mid_stream_releases_blocks(forklm_server):
                 if busy["forklm_requests_running"] == 1 or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
-            assert busy["forklm_kv_blocks_in_use"] > 0 and busy["forklm_requests_running"] == 1
+            assert busy["forklm_kv_blocks_in_use"] > 0 and busy["forklm_requests_running"] == 1, busy
         closed_at = time.monotonic()
         idle = wait_idle(forklm_server, timeout=10)
     assert time.monotonic() - closed_at < 10

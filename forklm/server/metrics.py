@@ -2,11 +2,15 @@
 
 A scrape never reads the engine: the engine loop's per-step hook (`on_step`, on the engine
 thread) copies a few O(1) numbers of the engine into plain gauges, so a scrape costs the same
-whatever the pool's size, never races the engine thread, and may see a state one step old.
+whatever the pool's size, never races the engine thread, and may see a state one step old. The hook's
+gauges are set under one lock that a scrape also takes, so a scrape sees one step's numbers together
+(never a step's running count beside the previous step's block count).
 Counters and histograms are fed by the request handlers and by the same hook.
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
@@ -19,6 +23,7 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 class ServerMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = reg = CollectorRegistry()
+        self._step_lock = threading.Lock()  # on_step's gauges against render: one step's numbers together
         ProcessCollector(registry=reg)  # process_resident_memory_bytes and friends
         self.running = Gauge("forklm_requests_running", "Requests being prefilled or decoded", registry=reg)
         self.waiting = Gauge("forklm_requests_waiting", "Requests queued in the engine, not yet admitted",
@@ -79,18 +84,19 @@ class ServerMetrics:
 
     def on_step(self, engine: Engine, seconds: float) -> None:
         """After each step, on the engine thread: O(1) reads (list lengths, the pool's counters)."""
-        self.step.observe(seconds)
-        self.running.set(len(engine.active))
-        self.waiting.set(len(engine.waiting))
-        self.blocks_in_use.set(engine.pool.num_in_use)
-        self.blocks_cached.set(engine.pool.num_cached)
-        self.hit_rate.set(engine.metrics.prefix_hit_rate)
-        if self.spec is not None:
-            m = engine.speculator.metrics
-            for k, g in self.spec.items():
-                g.set(getattr(m, k))
-            self.spec_acceptance.set(m.acceptance_rate)
-            self.spec_tokens_per_step.set(m.tokens_per_draft)
+        with self._step_lock:
+            self.step.observe(seconds)
+            self.running.set(len(engine.active))
+            self.waiting.set(len(engine.waiting))
+            self.blocks_in_use.set(engine.pool.num_in_use)
+            self.blocks_cached.set(engine.pool.num_cached)
+            self.hit_rate.set(engine.metrics.prefix_hit_rate)
+            if self.spec is not None:
+                m = engine.speculator.metrics
+                for k, g in self.spec.items():
+                    g.set(getattr(m, k))
+                self.spec_acceptance.set(m.acceptance_rate)
+                self.spec_tokens_per_step.set(m.tokens_per_draft)
 
     def finished(self, output) -> None:  # a SampleOutput
         st = output.stats
@@ -99,4 +105,5 @@ class ServerMetrics:
         self.generation_tokens.inc(st.generated_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        with self._step_lock:
+            return generate_latest(self.registry)
