@@ -33,7 +33,8 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockQuantized:
     return BlockQuantized("q8_0", q, d)
 
 
-K_KINDS = ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs"]  # layouts over super-blocks of 256
+# layouts over super-blocks of 256 (q4_k_r8 / q5_k_r8: K-quant scales, their activations per block of 32)
+K_KINDS = ["q4_k", "q5_k", "q4_k_r8", "q5_k_r8", "q6_k", "q3_k", "q2_k", "iq4_xs"]
 
 
 def stored_q8_0_bytes(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -56,6 +57,8 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
         return bg.interleave_r8(w) if kind == "iq4_nl_r8" else w
     if kind not in K_KINDS:
         return block_weights_of(kind, random_blocks(kind, n, k, seed))
+    if kind in ("q4_k_r8", "q5_k_r8"):
+        return bg.interleave_r8(random_weights(kind[:-3], n, k, seed))
     g = torch.Generator().manual_seed(seed)
     if kind == "iq4_xs":
         ds = (torch.rand(n, k // 256, generator=g) * 0.004 + 1e-4).half().float()
@@ -83,8 +86,8 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
     return w
 
 
-KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_r8", "q4_k", "q5_k", "q6_k",
-         "q3_k", "q2_k", "iq4_nl", "iq4_nl_r8", "iq4_xs"]
+KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_r8", "q4_k", "q5_k", "q4_k_r8",
+         "q5_k_r8", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_nl_r8", "iq4_xs"]
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
@@ -98,6 +101,10 @@ def test_k_quant_gemm_matches_reference(kind, t, n, k):
     if t * n >= 16:  # (a lone dot product can cancel: its relative error is no measure)
         assert rel_err(y, x.double() @ w.dequantize().double().t()) < 0.02
     q, d, m = w.unpack()  # the K-quant scales as GGUF forms them: ds·sc (and −dmin·mq)
+    if kind.endswith("_r8"):  # the same values and scales as the plain layout's
+        plain = bg.deinterleave_r8(w)
+        assert all(torch.equal(a, b) for a, b in zip((q, d, m), plain.unpack()))
+        w = plain
     if kind == "q2_k":  # d holds (ds, dmin) per super-block, sc the file's scale | minimum << 4
         ds, dmin = w.d.float().view(n, -1, 2).repeat_interleave(16, 1).unbind(-1)
         assert torch.equal(d, ds * (w.sc & 15).float()) and torch.equal(m, -(dmin * (w.sc >> 4).float()))
@@ -284,8 +291,8 @@ def test_interleaved_blocks_keep_the_values_and_their_rows():
         assert torch.equal(w5.dequantize(), b5.dequantize())
         assert torch.equal(w5.rows(ids).dequantize(), b5.dequantize()[ids])
         assert torch.equal(bg.deinterleave_r8(w5).qh, bg.pack_q5_1(b5.q, b5.d, b5.m).qh)
-    with pytest.raises(ValueError, match="only q4_1 / q5_1 / q8_0 / iq4_nl blocks"):
-        bg.interleave_r8(random_weights("q4_k", 8, 256, seed=1))
+    with pytest.raises(ValueError, match="only q4_1 / q5_1 / q8_0 / iq4_nl / q4_k / q5_k blocks"):
+        bg.interleave_r8(random_weights("q6_k", 8, 256, seed=1))
 
 
 def test_interleaved_signed_blocks_keep_the_values_and_their_rows():
@@ -805,18 +812,23 @@ def test_weight_rows_of_every_layout_are_those_rows(kind):
 def test_interleaved_row_lookup_in_cpp_equals_the_tensor_operations(kind):
     """The C++ lookup of interleaved rows (one call a decode step) gives the tensor operations' values
     bit for bit, for rows in any lane of any group, the last group padded; a bad id is refused."""
-    w = random_weights(kind, 45, 576, seed=4)  # 6 groups, the last with 5 live lanes
+    k = 768 if kind in K_KINDS else 576
+    w = random_weights(kind, 45, k, seed=4)  # 6 groups, the last with 5 live lanes
     ids = torch.randint(0, 45, (23,), generator=torch.Generator().manual_seed(3))
     ids[:3] = torch.tensor([44, 0, 7])
     want = bg.dequantize_values(*w._unpack_r8(bg.deinterleave_r8(w, ids)))
-    got = bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.qh, w.d, w.m, w.n, ids)
-    assert torch.equal(got, want)
+
+    def lookup(ids):  # (K layouts: d, m the super-blocks' ds, dm; then the blocks' sc, mq)
+        scales = (w.d, w.dm, w.n, ids, w.sc, w.m) if w.sc is not None else (w.d, w.m, w.n, ids)
+        return bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.qh, *scales)
+
+    assert torch.equal(lookup(ids), want)
     with pytest.raises(IndexError, match="weight row 45 asked of 45"):
-        bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.qh, w.d, w.m, w.n, torch.tensor([3, 45]))
+        lookup(torch.tensor([3, 45]))
     with pytest.raises(IndexError):
         w.dequantize_rows(torch.tensor([-1]))
     assert torch.equal(w.dequantize_rows(ids.int()), want)  # int32 ids
-    assert w.dequantize_rows(torch.tensor([], dtype=torch.long)).shape == (0, 576)
+    assert w.dequantize_rows(torch.tensor([], dtype=torch.long)).shape == (0, k)
     for bad in (torch.tensor([1.5]), torch.tensor([True])):
         with pytest.raises(RuntimeError, match="integer tensor"):
             w.dequantize_rows(bad)

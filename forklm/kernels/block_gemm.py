@@ -188,6 +188,11 @@ class BlockWeights:
           (6-bit block minima, grouped as q4_1's m) and dm float16 [⌈N/8⌉, K/256, 8] (the super-blocks'
           −dmin, grouped the same way): w = ds·sc·q + dm·mq, each product exact in float32.
     q5_k: q4_k's arrays and q5_1's qh.
+    q4_k_r8 / q5_k_r8: q4_k / q5_k with 8 outputs interleaved, the layout GGUF Q4_K / Q5_K tensors run on:
+          q4_1_r8's qs (and q5_1_r8's qh), d float16 [⌈N/8⌉, K/256, 8] (ds), sc and m uint8 [⌈N/8⌉, K/32, 8]
+          (the blocks' 6-bit scales and minima mq), dm float16 [⌈N/8⌉, K/256, 8] (−dmin), count:
+          w = (ds·sc)·q + dm·mq, each product exact in float32; run as q4_1_r8 / q5_1_r8 with those
+          scales and minima (activations per block of 32).
     q6_k: GGUF Q6_K (K a multiple of 256): qs as q4_1's (the values' low 4 bits), q2 uint8 [N, K/4]
           (bits 4-5: per pair of blocks of 32, 16 bytes, byte k holding those of value k of the first
           and of the second block at bits 0-1 and 2-3, of value 16 + k of each at bits 4-5 and 6-7),
@@ -233,6 +238,8 @@ class BlockWeights:
                 "q8_0_r8": (self.qs, self.d, self.count), "iq4_nl_r8": (self.qs, self.d, self.count),
                 "q4_1_r8": (self.qs, self.d, self.m, self.count), "q5_0_r8": (self.qs, self.qh, self.d, self.count),
                 "q5_1_r8": (self.qs, self.qh, self.d, self.m, self.count), "q5_1": (self.qs, self.qh, self.d, self.m),
+                "q4_k_r8": (self.qs, self.d, self.sc, self.m, self.dm, self.count),
+                "q5_k_r8": (self.qs, self.qh, self.d, self.sc, self.m, self.dm, self.count),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
@@ -306,6 +313,9 @@ class BlockWeights:
         if self.kind not in R8_KINDS:
             return self.rows(ids).dequantize()
         if available():  # the same values in one C++ call (tested equal to the tensor operations below)
+            if self.sc is not None:  # K layouts: d, m are ds, dm per super-block; sc, mq per block
+                return _extension().dequantize_rows_r8(R8_KINDS.index(self.kind), self.qs, self.qh, self.d, self.dm,
+                                                       self.n, ids, self.sc, self.m)
             return _extension().dequantize_rows_r8(R8_KINDS.index(self.kind), self.qs, self.qh, self.d, self.m,
                                                    self.n, ids)
         self._check_rows(ids)
@@ -389,7 +399,7 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
 
 
 # blocks with 8 outputs interleaved, in the order of the C++ kernel's `R8Layout`
-R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8", "q8_0_r8", "iq4_nl_r8")
+R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8", "q8_0_r8", "iq4_nl_r8", "q4_k_r8", "q5_k_r8")
 
 
 def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
@@ -418,12 +428,17 @@ def _fifth_bit_words(byte: torch.Tensor) -> torch.Tensor:
 def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
     """q4_1 / q5_1 blocks -> q4_1_r8 / q5_1_r8 (minima=False: q4_0_r8 / q5_0_r8, for blocks whose minima are
     −8d / −16d, which the kernel then applies in integers; the minima are dropped unchecked); q8_0 /
-    iq4_nl blocks -> q8_0_r8 / iq4_nl_r8 (`minima` unused)."""
-    if w.kind not in ("q4_1", "q5_1", "q8_0", "iq4_nl"):
-        raise ValueError(f"only q4_1 / q5_1 / q8_0 / iq4_nl blocks interleave, got {w.kind}")
+    iq4_nl blocks -> q8_0_r8 / iq4_nl_r8, q4_k / q5_k -> q4_k_r8 / q5_k_r8 (`minima` unused)."""
+    if w.kind not in ("q4_1", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k"):
+        raise ValueError(f"only q4_1 / q5_1 / q8_0 / iq4_nl / q4_k / q5_k blocks interleave, got {w.kind}")
     n, nb = w.n, w.k // BLOCK
     groups = (n + 7) // 8
     count = torch.tensor([n], dtype=torch.int64)
+    if w.kind in ("q4_k", "q5_k"):  # the nibbles (and fifth bits) as q4_1_r8's (q5_1_r8's); scales grouped
+        four = interleave_r8(BlockWeights("q4_1", w.qs, w.d.new_zeros(n, nb), None, n, w.k), minima=False)
+        qh = _fifth_bit_bytes(w.qh) if w.qh is not None else None
+        return BlockWeights(w.kind + "_r8", four.qs, block_minima(w.d), w.m, n, w.k, qh=qh, sc=block_minima(w.sc),
+                            dm=w.dm, count=count)
     if w.kind == "q8_0":  # [G, 8 outputs, nb, 8 runs, 4 values] -> [G, nb, run, output, value]
         qs = torch.zeros(groups * 8, w.k, dtype=torch.int8)
         qs[:n] = w.qs
@@ -455,7 +470,11 @@ def deinterleave_r8(w: BlockWeights, ids: torch.Tensor | None = None) -> BlockWe
     group, lane, r = ids // 8, ids % 8, int(ids.numel())
     runs = 8 if w.kind == "q8_0_r8" else 4  # of 4 bytes per output and block
     qs = w.qs.view(-1, nb, runs, 8, 4)[group, :, :, lane, :].reshape(r, nb * runs * 4)  # [R, nb, run, byte]
-    d = w.d[group, :, lane]  # [R, nb]
+    d = w.d[group, :, lane]  # [R, nb] (K layouts: [R, nb / 8], ds)
+    if w.kind in ("q4_k_r8", "q5_k_r8"):
+        qh = None if w.qh is None else _fifth_bit_words(w.qh.view(-1, nb, 8, 4)[group, :, lane, :])
+        return BlockWeights(w.kind[:-3], qs, d, block_minima(w.m[group, :, lane]), r, w.k, qh,
+                            w.sc[group, :, lane].contiguous(), block_minima(w.dm[group, :, lane]))
     if w.kind in ("q8_0_r8", "iq4_nl_r8"):
         return BlockWeights(w.kind[:-3], qs, d, None, r, w.k)
     five = w.qh is not None

@@ -327,9 +327,9 @@ def stored_block_weights(parts: list[GGMLWeights]):
     value j + 16 in the high one) and fifth bits, Q8_0's int8 values and IQ4_NL's level indices, 8 outputs
     interleaved (`block_gemm.interleave_r8`'s layouts, written directly by the pass); Q4_0 / Q5_0 alone keep no minima (−8d / −16d applied in
     integers), beside Q4_1 / Q5_1 parts they take minimum −8d / −16d (exact; ValueError where the minimum
-    overflows float16); Q4_K / Q5_K values take Q4_1's nibble order
-    with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against the file's 4.5 /
-    5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
+    overflows float16); Q4_K / Q5_K values take Q4_1's nibble order, 8 outputs interleaved
+    (q4_k_r8 / q5_k_r8), with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against
+    the file's 4.5 / 5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
     against the file's 3.44), Q2_K's scale / minimum bytes as stored (2.63 bits, as the file); IQ4_XS's
     level indices as stored, its 6-bit scales an int8 per 32 (4.31 bits against 4.25)."""
@@ -344,23 +344,26 @@ def stored_block_weights(parts: list[GGMLWeights]):
     only_q5_0 = all(p.type_name == "Q5_0" for p in parts)  # (Q4_0 and Q5_0 alone keep no minima)
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
-    interleaved = kind in ("q4_1", "q5_1", "q8_0_r8", "iq4_nl_r8")  # repacked straight into 8 outputs interleaved
-    if interleaved:  # (the last group's missing outputs zero)
-        groups = (n + 7) // 8
-        make = torch.zeros if n % 8 else torch.empty
+    # repacked straight into 8 outputs interleaved
+    interleaved = kind in ("q4_1", "q5_1", "q8_0_r8", "iq4_nl_r8", "q4_k", "q5_k")
+    k_r8 = kind in ("q4_k", "q5_k")  # (ds, dm per super-block; sc, mq a byte per block)
+    groups = (n + 7) // 8
+    make = torch.zeros if n % 8 else torch.empty  # (the last group's missing outputs zero)
+    if interleaved:
         qs = (make(groups, nb, 256, dtype=torch.int8) if kind == "q8_0_r8"
               else make(groups, nb, 128, dtype=torch.uint8))
-        d = make(groups, nb, 8, dtype=torch.float16)
+        d = make(groups, nsb if k_r8 else nb, 8, dtype=torch.float16)
     else:
         qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
         d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
     m = None if kind in ("q6_k", "q3_k", "q2_k", "q8_0_r8", "iq4_nl_r8", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
-    qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" else None  # 4-bit parts: fifth bits 0
-    if kind == "q5_1":  # interleaved: a block's fifth bits in 32 bytes per 8 outputs (`block_gemm.BlockWeights`)
-        qh = torch.zeros((n + 7) // 8, nb, 32, dtype=torch.uint8)
+    qh = None
+    if kind in ("q5_1", "q5_k"):  # a block's fifth bits in 32 bytes per 8 outputs (4-bit parts: 0)
+        qh = torch.zeros(groups, nb, 32, dtype=torch.uint8)
     sc = mq = q2 = None
-    if kind in ("q4_k", "q5_k"):
-        sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
+    if k_r8:
+        m = make(groups, nsb, 8, dtype=torch.float16)  # the super-blocks' −dmin
+        sc, mq = make(groups, nb, 8, dtype=torch.uint8), make(groups, nb, 8, dtype=torch.uint8)
     elif kind == "q6_k":
         sc, q2 = torch.empty(n, k // 16, dtype=torch.int8), torch.empty(n, k // 4, dtype=torch.uint8)
     elif kind == "iq4_xs":
@@ -393,9 +396,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
         return block_gemm.BlockWeights("iq4_xs", qs, d, None, n, k, sc=sc)
     if two_bit:
         return block_gemm.BlockWeights(kind, qs, d, None, n, k, sc=sc, q2=q2)
-    if kind in ("q4_k", "q5_k"):
-        return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
-                                       block_gemm.block_minima(m))
+    if k_r8:
+        return block_gemm.BlockWeights(kind + "_r8", qs, d, mq, n, k, qh, sc, m, count=torch.tensor([n], dtype=torch.int64))
     if interleaved:  # Q4_0 / Q5_0 alone keep no minima: w = d·(q − 8) / d·(q − 16)
         plain = only_q4_0 or only_q5_0
         name = ("q4_0_r8" if only_q4_0 else "q4_1_r8") if kind == "q4_1" else ("q5_0_r8" if only_q5_0 else "q5_1_r8")

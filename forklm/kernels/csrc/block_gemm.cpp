@@ -1445,13 +1445,34 @@ inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
 }
 
 // One group's block b into cache ahead of its tile (values R8_PREFETCH_BYTES ahead, the scales, minima
-// and fifth bits as far in blocks): `tile_r8`'s layouts (w: block b's values).
-template <bool MIN, bool H5>
-inline void prefetch_r8_block(const uint8_t* w, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t b) {
+// and fifth bits as far in blocks): `tile_r8`'s layouts (w: block b's values). KS: the K-quants' scales,
+// a byte per block in wsc / wmq and ds / dm per super-block of 8 blocks in wd / wm.
+template <bool MIN, bool H5, bool KS = false>
+inline void prefetch_r8_block(const uint8_t* w, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t b,
+                              const uint8_t* wsc = nullptr, const uint8_t* wmq = nullptr) {
   prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
-  if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES / 8);
-  if (MIN && b % 4 == 0) prefetch_ahead(wm + b * 8, R8_PREFETCH_BYTES / 8);
+  if constexpr (KS) {
+    if (b % 8 == 0) prefetch_ahead(wsc + b * 8, R8_PREFETCH_BYTES / 16), prefetch_ahead(wmq + b * 8, R8_PREFETCH_BYTES / 16);
+    if (b % 32 == 0) prefetch_ahead(wd + b, R8_PREFETCH_BYTES / 64), prefetch_ahead(wm + b, R8_PREFETCH_BYTES / 64);
+  } else {
+    if (b % 4 == 0) prefetch_ahead(wd + b * 8, R8_PREFETCH_BYTES / 8);
+    if (MIN && b % 4 == 0) prefetch_ahead(wm + b * 8, R8_PREFETCH_BYTES / 8);
+  }
   if (H5 && b % 2 == 0) prefetch_ahead(wh + b * 32, R8_PREFETCH_BYTES / 4);
+}
+
+// A group's 8 scales (or minima) of block b as floats: float16 per block in wd (KS false), or the
+// K-quants' ds (float16 per super-block of 8 blocks, wd) times the block's 6-bit integer (a byte per block
+// and output, wsc): exact in float32 (11 by 6 significant bits), the value `tile_k` and `minima_terms` form.
+template <bool KS>
+inline __m256 r8_block_scales(const uint16_t* wd, const uint8_t* wsc, int64_t b) {
+  if constexpr (KS) {
+    const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * 8)));
+    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + b * 8));
+    return _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * 8)));
+  }
 }
 
 // The same for `tile_r8_signed`'s layouts (BYTES a block).
@@ -1464,16 +1485,18 @@ inline void prefetch_r8_signed_block(const uint8_t* w, const uint16_t* wd, int64
 // Rows [0, TN) of `x` times the 8 outputs of one group: acc[t] lanes = outputs. H5: Q5_0 / Q5_1, the
 // values' fifth bits in 32 bytes per block (`qh8`: byte 4r + k holds, at bit j, the fifth bit of value
 // 4j + k of output r, at bit 4 + j that of value 16 + 4j + k), ORed into run j's nibbles as bit 4.
-template <bool MIN, bool H5, int TN>
+//   KS (Q4_K / Q5_K, with MIN): block b's scales ds·sc and minima dm·mq (`r8_block_scales`): wd / wm the
+//   super-blocks' ds / dm, wsc / wmq the blocks' 6-bit sc / mq; the arithmetic of Q4_1 / Q5_1 from there.
+template <bool MIN, bool H5, int TN, bool KS = false>
 inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t nb,
                     const int8_t* xq, const float* dx, const float* sx, const int32_t* xs, int64_t K, __m256* acc,
-                    bool prefetch) {
+                    bool prefetch, const uint8_t* wsc = nullptr, const uint8_t* wmq = nullptr) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
   constexpr int32_t OFFSET = H5 ? 16 : 8;  // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16)
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
-    if (prefetch) prefetch_r8_block<MIN, H5>(w, wh, wd, wm, b);
+    if (prefetch) prefetch_r8_block<MIN, H5, KS>(w, wh, wd, wm, b, wsc, wmq);
     __m256i fifth = _mm256_setzero_si256();
     if constexpr (H5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + b * 32));
     __m256i s[TN], isum[TN];
@@ -1500,9 +1523,9 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
       if (!FORKLM_VNNI && H5 && j == 1)  // |Σ| <= 4·2·31·127 < 2^15: into int32 before the next two runs
         for (int t = 0; t < TN; ++t) isum[t] = _mm256_madd_epi16(s[t], ones), s[t] = _mm256_setzero_si256();
     }
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * 8)));
+    const __m256 d8 = r8_block_scales<KS>(wd, wsc, b);
     __m256 m8 = _mm256_setzero_ps();
-    if constexpr (MIN) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * 8)));
+    if constexpr (MIN) m8 = r8_block_scales<KS>(wm, wmq, b);
     for (int t = 0; t < TN; ++t) {
       __m256i sum = FORKLM_VNNI ? isum[t]
                     : H5 ? _mm256_add_epi32(isum[t], _mm256_madd_epi16(s[t], ones)) : _mm256_madd_epi16(s[t], ones);
@@ -1586,22 +1609,39 @@ inline __m512 halves_to_float16(const uint16_t* lo, const uint16_t* hi) {
                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1));
 }
 
+// `r8_block_scales` of groups g (low half) and g + 1 (high half), group g + 1's arrays `sblocks`·8 halves
+// (wd) and nb·8 bytes (wsc) on: lane for lane the same floats.
+template <bool KS>
+inline __m512 r8_block_scales_x2(const uint16_t* wd, const uint8_t* wsc, int64_t b, int64_t nb, int64_t sblocks) {
+  if constexpr (KS) {
+    const __m512 ds = halves_to_float16(wd + b / 8 * 8, wd + (sblocks + b / 8) * 8);
+    const __m128i sc = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + b * 8)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + (nb + b) * 8)));
+    return _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+  } else {
+    return halves_to_float16(wd + b * 8, wd + (nb + b) * 8);
+  }
+}
+
 // `tile_r8` over two groups at once (the VNNI build, two rows or more): the 16 outputs of groups g and
 // g + 1 in the lanes of one 512-bit vector, group g's in the low half. Each lane's integers and float
-// chain are `tile_r8`'s, so the same bits with half the instructions. wq, wh, wd, wm: group g's arrays.
-template <bool MIN, bool H5, int TN>
+// chain are `tile_r8`'s, so the same bits with half the instructions. wq, wh, wd, wm (wsc, wmq): group g's arrays.
+template <bool MIN, bool H5, int TN, bool KS = false>
 inline void tile_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t nb,
                        const int8_t* xq, const float* dx, const float* sx, const int32_t* xs, int64_t K, __m512* acc,
-                       bool prefetch) {
-  const int64_t next = nb * R8_BLOCK_BYTES;  // group g + 1's values; its scales and minima nb·8 on, fifth bits nb·32
+                       bool prefetch, const uint8_t* wsc = nullptr, const uint8_t* wmq = nullptr) {
+  // group g + 1's values; its scales and minima sblocks·8 on (KS: bytes nb·8 on), fifth bits nb·32
+  const int64_t next = nb * R8_BLOCK_BYTES, sblocks = KS ? nb / 8 : nb;
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   constexpr int32_t OFFSET = H5 ? 16 : 8;  // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16)
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
     if (prefetch) {  // both groups' streams
-      prefetch_r8_block<MIN, H5>(w, wh, wd, wm, b);
-      prefetch_r8_block<MIN, H5>(w + next, H5 ? wh + nb * 32 : nullptr, wd + nb * 8, MIN ? wm + nb * 8 : nullptr, b);
+      prefetch_r8_block<MIN, H5, KS>(w, wh, wd, wm, b, wsc, wmq);
+      prefetch_r8_block<MIN, H5, KS>(w + next, H5 ? wh + nb * 32 : nullptr, wd + sblocks * 8,
+                                     MIN ? wm + sblocks * 8 : nullptr, b, KS ? wsc + nb * 8 : nullptr,
+                                     KS ? wmq + nb * 8 : nullptr);
     }
     __m512i fifth = _mm512_setzero_si512();
     if constexpr (H5) fifth = load_halves(wh + b * 32, wh + (nb + b) * 32);
@@ -1622,9 +1662,9 @@ inline void tile_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
         isum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], lo, _mm512_set1_epi32(a)), hi, _mm512_set1_epi32(c));
       }
     }
-    const __m512 d16 = halves_to_float16(wd + b * 8, wd + (nb + b) * 8);
+    const __m512 d16 = r8_block_scales_x2<KS>(wd, wsc, b, nb, sblocks);
     __m512 m16 = _mm512_setzero_ps();
-    if constexpr (MIN) m16 = halves_to_float16(wm + b * 8, wm + (nb + b) * 8);
+    if constexpr (MIN) m16 = r8_block_scales_x2<KS>(wm, wmq, b, nb, sblocks);
     for (int t = 0; t < TN; ++t) {
       __m512i sum = isum[t];
       if constexpr (!MIN) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET * xs[t * nb + b]));
@@ -1674,42 +1714,55 @@ inline void tile_r8_signed_x2(const uint8_t* wq, const uint16_t* wd, int64_t nb,
 }
 #endif
 
-enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL };
+// (in block_gemm.py's R8_KINDS order)
+enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL, R8_Q4_K, R8_Q5_K };
 
-constexpr bool r8_has_minima(int L) { return L == R8_Q4_1 || L == R8_Q5_1; }
-constexpr bool r8_has_fifth_bits(int L) { return L == R8_Q5_0 || L == R8_Q5_1; }
+constexpr bool r8_has_k_scales(int L) { return L == R8_Q4_K || L == R8_Q5_K; }
+constexpr bool r8_has_minima(int L) { return L == R8_Q4_1 || L == R8_Q5_1 || r8_has_k_scales(L); }
+constexpr bool r8_has_fifth_bits(int L) { return L == R8_Q5_0 || L == R8_Q5_1 || L == R8_Q5_K; }
 constexpr int64_t r8_block_bytes(int L) { return L == R8_Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES; }
 
 // The arrays of interleaved weights with G groups of 8 outputs and nb blocks (qh: Q5 layouts only, m:
-// Q4_1 / Q5_1 only), as `gemm_r8` and `dequantize_rows_r8` read them.
+// Q4_1 / Q5_1 / K only; the K layouts' d and m per super-block of 8 blocks, their sc and mq a byte per block),
+// as `gemm_r8` and `dequantize_rows_r8` read them.
 void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
-                     const torch::Tensor& m, int64_t G, int64_t nb) {
+                     const torch::Tensor& m, int64_t G, int64_t nb, const torch::Tensor& sc = torch::Tensor(),
+                     const torch::Tensor& mq = torch::Tensor()) {
   const int64_t bytes = r8_block_bytes(L);
+  const bool ks = r8_has_k_scales(L);
+  TORCH_CHECK(!ks || nb % 8 == 0, "K-quant blocks need K divisible by 256, got ", nb * QK);
+  const int64_t sblocks = ks ? nb / 8 : nb;  // rows of d and m per group
+  for (const torch::Tensor* t : {&sc, &mq})
+    if (ks)
+      TORCH_CHECK(t->defined() && t->dim() == 3 && t->scalar_type() == torch::kUInt8 && t->is_contiguous() && t->is_cpu() &&
+                      t->size(0) == G && t->size(1) == nb && t->size(2) == 8,
+                  "interleaved K-quant block scales and minima (sc, mq) must be contiguous uint8 [", G, ", ", nb, ", 8]");
   TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.is_cpu() && qs.element_size() == 1 && qs.size(0) == G &&
                   qs.size(1) == nb && qs.size(2) == bytes,
               "interleaved block values must be a contiguous 1-byte CPU tensor [", G, ", ", nb, ", ", bytes,
               "], got ", qs.sizes());
   TORCH_CHECK(d.dim() == 3 && d.scalar_type() == torch::kFloat16 && d.is_contiguous() && d.is_cpu() && d.size(0) == G &&
-                  d.size(1) == nb && d.size(2) == 8,
-              "interleaved block scales d must be contiguous float16 [", G, ", ", nb, ", 8]");
+                  d.size(1) == sblocks && d.size(2) == 8,
+              "interleaved block scales d must be contiguous float16 [", G, ", ", sblocks, ", 8]");
   if (r8_has_minima(L))
     TORCH_CHECK(m.defined() && m.dim() == 3 && m.scalar_type() == torch::kFloat16 && m.is_contiguous() && m.is_cpu() &&
-                    m.size(0) == G && m.size(1) == nb && m.size(2) == 8,
-                "interleaved block minima m must be contiguous float16 [", G, ", ", nb, ", 8]");
+                    m.size(0) == G && m.size(1) == sblocks && m.size(2) == 8,
+                "interleaved block minima m must be contiguous float16 [", G, ", ", sblocks, ", 8]");
   if (r8_has_fifth_bits(L))
     TORCH_CHECK(qh.defined() && qh.dim() == 3 && qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() &&
                     qh.is_cpu() && qh.size(0) == G && qh.size(1) == nb && qh.size(2) == 32,
                 "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
 }
 
-// L: the layout (q4_0_r8, iq4_nl_r8, q8_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m). count:
-// int64 [1] holding N (the last group may be padded).
+// L: the layout (q4_0_r8, iq4_nl_r8, q8_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m;
+// q4_k_r8: qs, d (ds), m (dm), sc, mq; q5_k_r8: and qh). count: int64 [1] holding N (the last group may be padded).
 template <int L>
 torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
                       const torch::Tensor& m, const torch::Tensor& count, int64_t mode_in,
                       const std::optional<torch::Tensor>& norm_weight, double eps,
-                      const std::optional<torch::Tensor>& residual) {
-  constexpr bool MIN = r8_has_minima(L), H5 = r8_has_fifth_bits(L);
+                      const std::optional<torch::Tensor>& residual, const torch::Tensor& sc = torch::Tensor(),
+                      const torch::Tensor& mq = torch::Tensor()) {
+  constexpr bool MIN = r8_has_minima(L), H5 = r8_has_fifth_bits(L), KS = r8_has_k_scales(L);
   constexpr bool SIGNED = L == R8_Q8_0 || L == R8_IQ4_NL;
   constexpr int64_t BLOCK_BYTES = r8_block_bytes(L);
   const ProductInput in = product_input(x_in, mode_in, norm_weight);
@@ -1719,7 +1772,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   TORCH_CHECK(count.dim() == 1 && count.numel() == 1 && count.scalar_type() == torch::kInt64 && count.is_cpu(),
               "interleaved weights need their output count N as a one-element int64 tensor");
   const int64_t n = *count.data_ptr<int64_t>(), G = (n + 7) / 8;
-  check_r8_arrays(L, qs, qh, d, m, G, nb);
+  check_r8_arrays(L, qs, qh, d, m, G, nb, sc, mq);
   const torch::Tensor res = checked_residual(residual, T, n);
   torch::Tensor y = torch::empty({T, n}, torch::kFloat32);
   if (T == 0 || n == 0) return y;
@@ -1739,6 +1792,9 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = MIN ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
   const uint8_t* wh = H5 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr;
+  const uint8_t* wsc = KS ? sc.data_ptr<uint8_t>() : nullptr;
+  const uint8_t* wmq = KS ? mq.data_ptr<uint8_t>() : nullptr;
+  const int64_t sblocks = KS ? nb / 8 : nb;  // a group's rows of d and m
   const int8_t* xq = buf.q.data();
   const float *dx = buf.d.data(), *sx = buf.s.data();
   const int32_t* xsp = xs.data();
@@ -1773,9 +1829,10 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
               tile_r8_signed_x2<L == R8_IQ4_NL, TN>(wq + g * group_bytes, wd + g * nb * 8, nb, xq + t * K, dx + t * nb, K,
                                                     acc, t == 0);
             else
-              tile_r8_x2<MIN, H5, TN>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * nb * 8,
-                                      MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
-                                      MIN ? nullptr : xsp + t * nb, K, acc, t == 0);
+              tile_r8_x2<MIN, H5, TN, KS>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * sblocks * 8,
+                                          MIN ? wm + g * sblocks * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
+                                          MIN ? nullptr : xsp + t * nb, K, acc, t == 0, KS ? wsc + g * nb * 8 : nullptr,
+                                          KS ? wmq + g * nb * 8 : nullptr);
             for (int i = 0; i < TN; ++i) {
               store(g, t + i, _mm512_castps512_ps256(acc[i]));
               store(g + 1, t + i, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
@@ -1788,9 +1845,10 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
             tile_r8_signed<L == R8_IQ4_NL, TN>(wq + g * group_bytes, wd + g * nb * 8, nb, xq + t * K, dx + t * nb, K, acc,
                                                t == 0);
           else
-            tile_r8<MIN, H5, TN>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * nb * 8,
-                                 MIN ? wm + g * nb * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
-                                 MIN ? nullptr : xsp + t * nb, K, acc, t == 0);
+            tile_r8<MIN, H5, TN, KS>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * sblocks * 8,
+                                     MIN ? wm + g * sblocks * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
+                                     MIN ? nullptr : xsp + t * nb, K, acc, t == 0, KS ? wsc + g * nb * 8 : nullptr,
+                                     KS ? wmq + g * nb * 8 : nullptr);
           for (int i = 0; i < TN; ++i) store(g, t + i, acc[i]);
         }
       };
@@ -1842,6 +1900,22 @@ torch::Tensor gemm_q5_1_r8(const torch::Tensor& x, const torch::Tensor& qs, cons
                            const std::optional<torch::Tensor>& norm_weight, double eps,
                            const std::optional<torch::Tensor>& residual) {
   return gemm_r8<R8_Q5_1>(x, qs, qh, d, m, count, prologue, norm_weight, eps, residual);
+}
+
+// Q4_K / Q5_K interleaved (the arrays in BlockWeights.kernel_arrays' order: mq the blocks' 6-bit minima, dm the
+// super-blocks' −dmin)
+torch::Tensor gemm_q4_k_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& ds, const torch::Tensor& sc,
+                           const torch::Tensor& mq, const torch::Tensor& dm, const torch::Tensor& count, int64_t prologue,
+                           const std::optional<torch::Tensor>& norm_weight, double eps,
+                           const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<R8_Q4_K>(x, qs, qs, ds, dm, count, prologue, norm_weight, eps, residual, sc, mq);
+}
+
+torch::Tensor gemm_q5_k_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& ds,
+                           const torch::Tensor& sc, const torch::Tensor& mq, const torch::Tensor& dm, const torch::Tensor& count,
+                           int64_t prologue, const std::optional<torch::Tensor>& norm_weight, double eps,
+                           const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<R8_Q5_K>(x, qs, qh, ds, dm, count, prologue, norm_weight, eps, residual, sc, mq);
 }
 
 torch::Tensor gemm_q4_1(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
@@ -2173,6 +2247,48 @@ T* rows_of(const std::optional<torch::Tensor>& t, int64_t row0, const char* name
   return reinterpret_cast<T*>(t->data_ptr()) + row0 * (t->numel() / n);
 }
 
+// Block b of one output as q4_1's 16 bytes (`nibbles`) and GGUF's fifth-bit word (`fifth`, bit j: value j;
+// none for 4-bit blocks) into its lane of the group's interleaved block: run j = bytes 4j..4j+3 at 32j + 4·lane
+// (`out`: the group's block); qh8 (the group's block's 32 bytes): byte 4·lane + k holds at bit j the fifth bit
+// of value 4j + k, at bit 4 + j that of value 16 + 4j + k.
+inline void scatter_r8_lane(const uint8_t* nibbles, uint8_t* out, int64_t lane, const uint32_t* fifth, uint8_t* qh8) {
+  for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j + 4 * lane, nibbles + 4 * j, 4);
+  if (fifth != nullptr)
+    for (int k = 0; k < 4; ++k) {
+      uint8_t byte = 0;
+      for (int j = 0; j < 4; ++j)
+        byte |= static_cast<uint8_t>(((*fifth >> (4 * j + k)) & 1u) << j | ((*fifth >> (16 + 4 * j + k)) & 1u) << (4 + j));
+      qh8[4 * lane + k] = byte;
+    }
+}
+
+// Stored Q4_K / Q5_K rows -> q4_k_r8 / q5_k_r8 for outputs [row0, row0 + r) (output o is stored row
+// order[o − row0], order null: row o − row0): each row's super-blocks as `repack_k_row` lays them out, then
+// into output o's lanes of its group (qs [G, nb, 128], ds / dm fp16 [G, nsb, 8], sc / mq uint8 [G, nb, 8],
+// qh8 uint8 [G, nb, 32] for Q5_K).
+void repack_k_rows_r8(bool five, const uint8_t* src, int64_t bytes, int64_t nsb, int64_t row0, int64_t r,
+                      const int64_t* order, uint8_t* qs, uint16_t* ds, uint16_t* dm, uint8_t* sc, uint8_t* mq, uint8_t* qh8) {
+  const int64_t nb = nsb * 8;
+  at::parallel_for(0, r, 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row_qs(nb * 16), row_sc(nb), row_mq(nb);
+    std::vector<uint16_t> row_ds(nsb), row_dm(nsb);
+    std::vector<uint32_t> row_qh(five ? nb : 0);
+    for (int64_t i = begin; i < end; ++i) {
+      repack_k_row(five, src + (order != nullptr ? order[i] : i) * bytes, nsb, row_qs.data(), row_ds.data(),
+                   row_dm.data(), row_sc.data(), row_mq.data(), five ? row_qh.data() : nullptr);
+      if (five) arrange_high_bits_row(row_qh.data(), nb);  // back to GGUF's words (its own inverse)
+      const int64_t o = row0 + i, g = o / 8, lane = o % 8;
+      for (int64_t s = 0; s < nsb; ++s) ds[(g * nsb + s) * 8 + lane] = row_ds[s], dm[(g * nsb + s) * 8 + lane] = row_dm[s];
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t at = g * nb + b;
+        scatter_r8_lane(row_qs.data() + b * 16, qs + at * R8_BLOCK_BYTES, lane, five ? &row_qh[b] : nullptr,
+                        five ? qh8 + at * 32 : nullptr);
+        sc[at * 8 + lane] = row_sc[b], mq[at * 8 + lane] = row_mq[b];
+      }
+    }
+  });
+}
+
 int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int64_t row0, const torch::Tensor& qs,
                     const torch::Tensor& d, const std::optional<torch::Tensor>& m,
                     const std::optional<torch::Tensor>& qh, const std::optional<torch::Tensor>& sc,
@@ -2190,8 +2306,11 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const bool r8 = qs.dim() == 3;
   const bool five = type == Stored::Q5_0 || type == Stored::Q5_1;
   const bool signed8 = type == Stored::Q8_0 || type == Stored::IQ4_NL;  // (interleaved only)
-  TORCH_CHECK(!r8 || signed8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
-              "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 (with their minima m [N, K/32]), Q8_0 and IQ4_NL blocks repack interleaved");
+  // Q4_K / Q5_K into q4_k_r8 / q5_k_r8: d / m the super-blocks' ds / dm [G, K/256, 8], sc / mq [G, K/32, 8]
+  const bool k_r8 = r8 && (type == Stored::Q4_K || type == Stored::Q5_K);
+  TORCH_CHECK(!r8 || signed8 || k_r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
+              "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 (with their minima m [N, K/32]), Q8_0, IQ4_NL, Q4_K and Q5_K blocks "
+              "repack interleaved");
   TORCH_CHECK(r8 || type != Stored::Q8_0, "repack: Q8_0 blocks repack interleaved only");
   TORCH_CHECK(!r8 || outputs >= 0, "repack: interleaved blocks need the output count");
   if ((r8 ? outputs : qs.size(0)) == 0) {
@@ -2199,7 +2318,7 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
     return 0;
   }
   const int64_t n = r8 ? outputs : qs.size(0), r = order.has_value() ? order->size(0) : raw.size(0), bytes = raw.size(1);
-  TORCH_CHECK(!r8 || !m.has_value() || m->size(0) == n, "repack: m has ", m.has_value() ? m->size(0) : 0,
+  TORCH_CHECK(!r8 || k_r8 || !m.has_value() || m->size(0) == n, "repack: m has ", m.has_value() ? m->size(0) : 0,
               " rows for ", n, " outputs");
   const int64_t* order_p = order.has_value() ? order->data_ptr<int64_t>() : nullptr;
   for (int64_t i = 0; order_p != nullptr && i < r; ++i)
@@ -2215,6 +2334,24 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
   const int64_t nb = legacy || type == Stored::Q8_0 ? blocks : blocks * 8;  // blocks of 32 per row
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
+  if (k_r8) {
+    const int64_t groups = (n + 7) / 8;
+    const bool q5k = type == Stored::Q5_K;
+    const auto is = [&](const std::optional<torch::Tensor>& t, torch::ScalarType dtype, int64_t rows, int64_t width) {
+      return t.has_value() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == dtype && t->dim() == 3 &&
+             t->size(0) == groups && t->size(1) == rows && t->size(2) == width;
+    };
+    TORCH_CHECK(qs.is_cpu() && qs.is_contiguous() && qs.scalar_type() == torch::kUInt8 && qs.size(0) == groups &&
+                    qs.size(1) == nb && qs.size(2) == R8_BLOCK_BYTES && is(d_opt, torch::kFloat16, blocks, 8) &&
+                    is(m, torch::kFloat16, blocks, 8) && is(sc, torch::kUInt8, nb, 8) && is(mq, torch::kUInt8, nb, 8) &&
+                    (!q5k || is(qh, torch::kUInt8, nb, 32)),
+                "repack: interleaved ", type_name, " needs qs uint8 [", groups, ", ", nb, ", 128], d and m float16 [", groups,
+                ", ", blocks, ", 8], sc and mq uint8 [", groups, ", ", nb, ", 8]", q5k ? " and qh uint8 [G, nb, 32]" : "");
+    repack_k_rows_r8(q5k, raw.data_ptr<uint8_t>(), bytes, blocks, row0, r, order_p, qs.data_ptr<uint8_t>(),
+                     reinterpret_cast<uint16_t*>(d.data_ptr()), reinterpret_cast<uint16_t*>(m->data_ptr()),
+                     sc->data_ptr<uint8_t>(), mq->data_ptr<uint8_t>(), q5k ? qh->data_ptr<uint8_t>() : nullptr);
+    return 0;
+  }
   const int64_t groups = (n + 7) / 8, group_block_bytes = type == Stored::Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES;
   if (r8)
     TORCH_CHECK(qs.is_cpu() && d.is_cpu() && qs.is_contiguous() && qs.element_size() == 1 && qs.size(0) == groups && qs.size(1) == nb &&
@@ -2278,17 +2415,10 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
         if (five) arrange_high_bits_row(row_qh.data(), nb);  // back to GGUF's words (its own inverse)
         const int64_t o = row0 + i, g = o / 8, lane = o % 8;
         for (int64_t b = 0; b < nb; ++b) {
-          uint8_t* out = qs_p + (g * nb + b) * R8_BLOCK_BYTES + 4 * lane;
-          for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j, row_qs.data() + b * 16 + 4 * j, 4);
-          d_p[(g * nb + b) * 8 + lane] = row_d[b];
-          if (five)  // byte 4·lane + k: bit j = value 4j + k's fifth bit, bit 4 + j = value 16 + 4j + k's
-            for (int k = 0; k < 4; ++k) {
-              uint8_t byte = 0;
-              for (int j = 0; j < 4; ++j)
-                byte |= static_cast<uint8_t>(((row_qh[b] >> (4 * j + k)) & 1u) << j |
-                                             ((row_qh[b] >> (16 + 4 * j + k)) & 1u) << (4 + j));
-              qh8_p[(g * nb + b) * 32 + 4 * lane + k] = byte;
-            }
+          const int64_t at = g * nb + b;
+          scatter_r8_lane(row_qs.data() + b * 16, qs_p + at * R8_BLOCK_BYTES, lane, five ? &row_qh[b] : nullptr,
+                          five ? qh8_p + at * 32 : nullptr);
+          d_p[at * 8 + lane] = row_d[b];
         }
       } else if (legacy) {
         local += repack_legacy_row(type, row, nb, qs_p + i * nb * 16, d_p + i * nb,
@@ -2373,16 +2503,20 @@ torch::Tensor dense_rows(const torch::Tensor& x_in, const torch::Tensor& w_in) {
 // lookup as tensor operations cost 80-260 µs a step).
 torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const std::optional<torch::Tensor>& qh_in,
                                  const torch::Tensor& d, const std::optional<torch::Tensor>& m_in, int64_t n,
-                                 const torch::Tensor& ids_in) {
+                                 const torch::Tensor& ids_in, const std::optional<torch::Tensor>& sc_in,
+                                 const std::optional<torch::Tensor>& mq_in) {
   const torch::Tensor qh = qh_in.value_or(torch::Tensor()), m = m_in.value_or(torch::Tensor());
-  TORCH_CHECK(layout >= R8_Q4_0 && layout <= R8_IQ4_NL, "unknown interleaved layout ", layout);
+  const torch::Tensor sc = sc_in.value_or(torch::Tensor()), mq = mq_in.value_or(torch::Tensor());
+  TORCH_CHECK(layout >= R8_Q4_0 && layout <= R8_Q5_K, "unknown interleaved layout ", layout);
   const R8Layout L = static_cast<R8Layout>(layout);
   const bool q8 = L == R8_Q8_0, nl = L == R8_IQ4_NL, h5 = r8_has_fifth_bits(L), minima = r8_has_minima(L);
+  const bool ks = r8_has_k_scales(L);
   const bool adds_m = !q8 && !nl;  // Q4_1 / Q5_1: the stored m; Q4_0 / Q5_0: −8d / −16d
   const int64_t block_bytes = r8_block_bytes(L), G = (n + 7) / 8;
   TORCH_CHECK(qs.dim() == 3, "interleaved block values must be a 3-dimensional tensor [G, nb, ", block_bytes, "]");
   const int64_t nb = qs.size(1), K = nb * QK;
-  check_r8_arrays(L, qs, qh, d, m, G, nb);
+  check_r8_arrays(L, qs, qh, d, m, G, nb, sc, mq);
+  const int64_t sblocks = ks ? nb / 8 : nb;
   TORCH_CHECK(ids_in.dim() == 1 && at::isIntegralType(ids_in.scalar_type(), /*includeBool=*/false),
               "ids must be a one-dimensional integer tensor, got ", ids_in.scalar_type(), " ", ids_in.sizes());
   const torch::Tensor ids = ids_in.to(torch::kCPU, torch::kInt64).contiguous();
@@ -2395,14 +2529,18 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
   const uint8_t* wh = h5 ? qh.data_ptr<uint8_t>() : nullptr;
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = minima ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  const uint8_t* wsc = ks ? sc.data_ptr<uint8_t>() : nullptr;
+  const uint8_t* wmq = ks ? mq.data_ptr<uint8_t>() : nullptr;
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = ip[r] / 8, lane = ip[r] % 8;
     float* row = op + r * K;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = g * nb + b;
-      const float db = _cvtsh_ss(wd[at * 8 + lane]);
-      const float mb = minima ? _cvtsh_ss(wm[at * 8 + lane]) : h5 ? -16 * db : -8 * db;  // (used where adds_m)
+      const int64_t at = g * nb + b, sat = ks ? g * sblocks + b / 8 : at;  // (K layouts: d, m per super-block)
+      // K layouts: ds·sc and dm·mq, exact in float32 (`r8_block_scales`)
+      const float db = _cvtsh_ss(wd[sat * 8 + lane]) * (ks ? static_cast<float>(wsc[at * 8 + lane]) : 1.f);
+      const float mb = minima ? _cvtsh_ss(wm[sat * 8 + lane]) * (ks ? static_cast<float>(wmq[at * 8 + lane]) : 1.f)
+                       : h5 ? -16 * db : -8 * db;  // (used where adds_m)
       const uint8_t* w = wq + at * block_bytes;
       float q[QK];
       if (q8) {  // run j: values 4j..4j+3 of output `lane` at bytes 4·lane
@@ -2445,6 +2583,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q5_1_r8", &gemm_q5_1_r8, "y [T, N] = x [T, K] float32 times Q5_1 weights, 8 outputs interleaved "
         "(gemm_q5_0_r8's arrays and the minima m fp16 [ceil(N/8), K/32, 8])",
         py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q4_k_r8", &gemm_q4_k_r8, "y [T, N] = x [T, K] float32 times Q4_K weights, 8 outputs interleaved "
+        "(qs uint8 [ceil(N/8), K/32, 128], ds fp16 [ceil(N/8), K/256, 8], sc / mq uint8 [ceil(N/8), K/32, 8], "
+        "dm fp16 [ceil(N/8), K/256, 8], count int64 [1]: N)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q5_k_r8", &gemm_q5_k_r8, "y [T, N] = x [T, K] float32 times Q5_K weights, 8 outputs interleaved "
+        "(gemm_q4_k_r8's arrays and qh uint8 [ceil(N/8), K/32, 32] after qs)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q8_0_r8", &gemm_q8_0_r8, "y [T, N] = x [T, K] float32 times Q8_0 weights, 8 outputs interleaved "
         "(qs int8 [ceil(N/8), K/32, 256], d fp16 [ceil(N/8), K/32, 8], count int64 [1] holding N)",
         py::call_guard<py::gil_scoped_release>());
@@ -2474,9 +2619,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_iq4_nl", &gemm_iq4_nl, "y [T, N] = x [T, K] float32 times IQ4_NL weights (qs uint8 [N, K/2] nibbles as Q4_1's, d fp16 [N, K/32])",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows_r8", &dequantize_rows_r8,
-        "rows ids of interleaved weights (layout: 0 q4_0_r8, 1 q4_1_r8, 2 q5_0_r8, 3 q5_1_r8, 4 q8_0_r8, 5 iq4_nl_r8; "
-        "qs, qh, d, m as gemm_r8 takes them, n outputs) as float32 [len(ids), K]",
-        py::arg("layout"), py::arg("qs"), py::arg("qh"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("ids"));
+        "rows ids of interleaved weights (layout: 0 q4_0_r8, 1 q4_1_r8, 2 q5_0_r8, 3 q5_1_r8, 4 q8_0_r8, 5 iq4_nl_r8, "
+        "6 q4_k_r8, 7 q5_k_r8; qs, qh, d, m (K layouts: ds, dm; sc, mq) as gemm_r8 takes them, n outputs) as float32 [len(ids), K]",
+        py::arg("layout"), py::arg("qs"), py::arg("qh"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("ids"),
+        py::arg("sc") = py::none(), py::arg("mq") = py::none());
   m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
         "output one dot product in a fixed order whatever T", py::call_guard<py::gil_scoped_release>());
   m.def("repack_rows", &repack_rows,
