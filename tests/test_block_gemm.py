@@ -34,7 +34,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> BlockQuantized:
 
 
 # layouts over super-blocks of 256 (q4_k_r8 / q5_k_r8: K-quant scales, their activations per block of 32)
-K_KINDS = ["q4_k", "q5_k", "q4_k_r8", "q5_k_r8", "q6_k", "q3_k", "q2_k", "iq4_xs"]
+K_KINDS = ["q4_k", "q5_k", "q4_k_r8", "q5_k_r8", "q6_k", "q6_k_r8", "q3_k", "q2_k", "iq4_xs"]
 
 
 def stored_q8_0_bytes(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
         return bg.interleave_r8(w) if kind == "iq4_nl_r8" else w
     if kind not in K_KINDS:
         return block_weights_of(kind, random_blocks(kind, n, k, seed))
-    if kind in ("q4_k_r8", "q5_k_r8"):
+    if kind in ("q4_k_r8", "q5_k_r8", "q6_k_r8"):
         return bg.interleave_r8(random_weights(kind[:-3], n, k, seed))
     g = torch.Generator().manual_seed(seed)
     if kind == "iq4_xs":
@@ -87,7 +87,7 @@ def random_weights(kind: str, n: int, k: int, seed: int) -> bg.BlockWeights:
 
 
 KINDS = ["q4_1", "q4_1_r8", "q4_0_r8", "q5_1_r8", "q5_0_r8", "q5_1", "q8_0", "q8_0_r8", "q4_k", "q5_k", "q4_k_r8",
-         "q5_k_r8", "q6_k", "q3_k", "q2_k", "iq4_nl", "iq4_nl_r8", "iq4_xs"]
+         "q5_k_r8", "q6_k", "q6_k_r8", "q3_k", "q2_k", "iq4_nl", "iq4_nl_r8", "iq4_xs"]
 
 
 @pytest.mark.parametrize("kind", K_KINDS)
@@ -103,7 +103,7 @@ def test_k_quant_gemm_matches_reference(kind, t, n, k):
     q, d, m = w.unpack()  # the K-quant scales as GGUF forms them: ds·sc (and −dmin·mq)
     if kind.endswith("_r8"):  # the same values and scales as the plain layout's
         plain = bg.deinterleave_r8(w)
-        assert all(torch.equal(a, b) for a, b in zip((q, d, m), plain.unpack()))
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip((q, d, m), plain.unpack()))
         w = plain
     if kind == "q2_k":  # d holds (ds, dmin) per super-block, sc the file's scale | minimum << 4
         ds, dmin = w.d.float().view(n, -1, 2).repeat_interleave(16, 1).unbind(-1)
@@ -251,7 +251,8 @@ def test_q6_k_integer_sums_do_not_overflow_at_the_extremes():
         w = bg.pack_q6_k(q, torch.full((n, k // 256), 1e-3).half().float(), torch.full((n, k // 16), scale, dtype=torch.int8))
         x = torch.where(torch.rand(3, k) < 0.5, -1.0, 1.0) * 5.0
         x[0] = 5.0  # all +127
-        assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-6
+        for layout in (w, bg.interleave_r8(w)):  # (q6_k_r8: per 16 values, int16 pairs of two runs in the AVX2 build)
+            assert rel_err(bg.gemm(x, layout), bg.gemm_reference(x, layout)) < 1e-6
 
 
 def test_4_bit_integer_sums_do_not_overflow_at_the_extremes():
@@ -291,8 +292,8 @@ def test_interleaved_blocks_keep_the_values_and_their_rows():
         assert torch.equal(w5.dequantize(), b5.dequantize())
         assert torch.equal(w5.rows(ids).dequantize(), b5.dequantize()[ids])
         assert torch.equal(bg.deinterleave_r8(w5).qh, bg.pack_q5_1(b5.q, b5.d, b5.m).qh)
-    with pytest.raises(ValueError, match="only q4_1 / q5_1 / q8_0 / iq4_nl / q4_k / q5_k blocks"):
-        bg.interleave_r8(random_weights("q6_k", 8, 256, seed=1))
+    with pytest.raises(ValueError, match="only q4_1 / q5_1 / q8_0 / iq4_nl / q4_k / q5_k / q6_k blocks"):
+        bg.interleave_r8(random_weights("q3_k", 8, 256, seed=1))
 
 
 def test_interleaved_signed_blocks_keep_the_values_and_their_rows():
@@ -818,7 +819,9 @@ def test_interleaved_row_lookup_in_cpp_equals_the_tensor_operations(kind):
     ids[:3] = torch.tensor([44, 0, 7])
     want = bg.dequantize_values(*w._unpack_r8(bg.deinterleave_r8(w, ids)))
 
-    def lookup(ids):  # (K layouts: d, m the super-blocks' ds, dm; then the blocks' sc, mq)
+    def lookup(ids):  # (K layouts: d, m the super-blocks' ds, dm, then the blocks' sc, mq; Q6_K: its bits 4-5 as qh)
+        if kind == "q6_k_r8":
+            return bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.q2, w.d, None, w.n, ids, w.sc, None)
         scales = (w.d, w.dm, w.n, ids, w.sc, w.m) if w.sc is not None else (w.d, w.m, w.n, ids)
         return bg._extension().dequantize_rows_r8(bg.R8_KINDS.index(kind), w.qs, w.qh, *scales)
 

@@ -89,7 +89,7 @@ def as_blocks(w: torch.Tensor, kind: str):
     from forklm.kernels import block_gemm as bg
     from forklm.models.quant import BlockQuantized
 
-    if kind in ("q4_k_r8", "q5_k_r8"):  # (the layout GGUF Q4_K / Q5_K files load as)
+    if kind in ("q4_k_r8", "q5_k_r8", "q6_k_r8"):  # (the layouts GGUF Q4_K / Q5_K / Q6_K files load as)
         return bg.interleave_r8(as_blocks(w, kind[:-3]))
     n, k = w.shape
     blocks = w.float().view(n, k // 32, 32)
@@ -170,14 +170,14 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     from forklm.sampling.params import SamplingParams
 
     model = tiny_llama(29, 256, 4, 2, 64, 512, 4, torch.float32, seed=3, max_positions=1024, quantize="int4")
-    kinds = ["q5_0_r8", "q4_k_r8", "q5_k_r8", "q8_0_r8", "q6_k", "iq4_xs", "q2_k", "iq4_nl_r8", "q3_k", "q4_0_r8",
-             "q4_1_r8", "q5_1_r8", "q8_0", "iq4_nl", "q4_k", "q5_k"]  # o: 1, 3, 5, 7
+    kinds = ["q5_0_r8", "q4_k_r8", "q5_k_r8", "q8_0_r8", "q6_k_r8", "iq4_xs", "q2_k", "iq4_nl_r8", "q3_k", "q4_0_r8",
+             "q4_1_r8", "q5_1_r8", "q8_0", "iq4_nl", "q4_k", "q5_k", "q6_k"]  # o: 1, 3, 5, 7
     for i, layer in enumerate(model.layers):
         for j, name in enumerate(("qkv", "o", "gate_up", "down")):
             layer[name] = BlockLinear(as_blocks(layer[name].dequantize(), kinds[(2 * i + j) % len(kinds)]))
     # fused matrices whose parts take different layouts (a Q5_0 q and k beside a Q8_0 v; Q4_K beside
     # Q6_K; Q2_K beside Q3_K, as a Q2_K file mixes them)
-    pairs = (("q5_0_r8", "q8_0_r8"), ("q4_k_r8", "q6_k"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k_r8"))
+    pairs = (("q5_0_r8", "q8_0_r8"), ("q4_k_r8", "q6_k_r8"), ("q2_k", "q3_k"), ("iq4_xs", "q5_k_r8"))
     for layer, (a, b) in zip(model.layers, pairs):
         w = layer["qkv"].dequantize()
         layer["qkv"] = BlockLinear([as_blocks(w[:256], a), as_blocks(w[256:], b)] if a != "q5_0_r8" else
@@ -188,11 +188,14 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
         layer["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:], b)])
     for i, kind in ((0, "q4_0_r8"), (2, "q4_1_r8")):  # the interleaved 4-bit layouts (files' Q4_0 / Q4_1)
         model.layers[i]["o"] = BlockLinear(as_blocks(model.layers[i]["o"].dequantize(), kind))
-    for i, kind in ((1, "q8_0"), (3, "iq4_nl"), (0, "q4_k"), (2, "q5_k")):  # the plain layouts, a middle part of down
+    # the plain layouts (no file loads them now; the stack still runs them), middle parts of down
+    for i, middle in ((1, ("q8_0",)), (3, ("iq4_nl",)), (0, ("q4_k", "q6_k")), (2, ("q5_k",))):
         w = model.layers[i]["down"].dequantize()
         a, b = pairs[i]
-        model.layers[i]["down"] = BlockLinear([as_blocks(w[:96], a), as_blocks(w[96:160], kind), as_blocks(w[160:], b)])
-    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1_r8+q5_0_r8+q8_0_r8", "q4_k_r8+q6_k", "q2_k+q3_k",
+        rows = 64 // len(middle)
+        model.layers[i]["down"] = BlockLinear([as_blocks(w[:96], a)] + [
+            as_blocks(w[96 + j * rows:96 + (j + 1) * rows], kind) for j, kind in enumerate(middle)] + [as_blocks(w[160:], b)])
+    assert {layer["qkv"].kind for layer in model.layers} == {"q5_1_r8+q5_0_r8+q8_0_r8", "q4_k_r8+q6_k_r8", "q2_k+q3_k",
                                                              "iq4_xs+q5_k_r8"}
     assert {layer["o"].kind for layer in model.layers} == {"q4_0_r8", "q8_0_r8", "q4_1_r8", "iq4_nl_r8"}
     used = {part.kind for layer in model.layers for w in layer.values() if isinstance(w, BlockLinear) for part in w.parts}

@@ -115,7 +115,7 @@ def test_engine_features_on_a_k_quant_file(kquant_gguf):
 
     llm = LLM(str(kquant_gguf))
     m = llm.model
-    assert {w.kind for w in (m.layers[0]["down"], m.layers[0]["gate_up"])} == {"q6_k", "q5_0_r8"}  # Q5_0 interleaved
+    assert {w.kind for w in (m.layers[0]["down"], m.layers[0]["gate_up"])} == {"q6_k_r8", "q5_0_r8"}  # interleaved
     plain = llm.sample("1, 2, 3, 4, 5, 6, 7, 8,", n=4, max_tokens=16, temperature=0.0)
     spec = llm.sample("1, 2, 3, 4, 5, 6, 7, 8,", n=4, max_tokens=16, temperature=0.0, speculative="ngram")
     assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
@@ -214,7 +214,7 @@ def test_forklm_info_names_each_weights_kernel(kquant_gguf, capsys):
     assert "avx2" in doc["cpu features forklm's rules see"]
     assert doc["kernels"]["ggml dot products (every other GGUF type)"].startswith("built")
     layers = doc["model"]["layers"]
-    assert any(k.startswith("down: Q6_K -> block kernel (q6_k layout") for k in layers)
+    assert any(k.startswith("down: Q6_K -> block kernel (q6_k_r8 layout") for k in layers)
     assert any(k.startswith("gate_up: Q5_0+Q5_0 -> block kernel (q5_0_r8 layout") for k in layers)
     assert any(k.startswith("qkv: Q5_0+Q5_0+Q8_0 -> block kernel (q5_0_r8+q8_0_r8 layout") for k in layers)  # mixed parts
     assert doc["model"]["decode stack"] == "on"

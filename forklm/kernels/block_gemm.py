@@ -193,6 +193,11 @@ class BlockWeights:
           (the blocks' 6-bit scales and minima mq), dm float16 [⌈N/8⌉, K/256, 8] (−dmin), count:
           w = (ds·sc)·q + dm·mq, each product exact in float32; run as q4_1_r8 / q5_1_r8 with those
           scales and minima (activations per block of 32).
+    q6_k_r8: q6_k with 8 outputs interleaved, the layout GGUF Q6_K tensors run on: qs as q4_1_r8's (the
+          values' low 4 bits), q2 uint8 [⌈N/8⌉, K/32, 64] (their bits 4-5: byte 4r + k of a block's first 32
+          holds at bits 2j..2j+1 those of value 4j + k of output r, of the next 32 those of value 16 + 4j + k),
+          d float16 [⌈N/8⌉, K/256, 8] (ds), sc int8 [⌈N/8⌉, K/32, 16] (a block's first 16 values' scale for
+          the 8 outputs, then its second 16's), count: w = (ds·sc)·(q − 32), activations per block of 32.
     q6_k: GGUF Q6_K (K a multiple of 256): qs as q4_1's (the values' low 4 bits), q2 uint8 [N, K/4]
           (bits 4-5: per pair of blocks of 32, 16 bytes, byte k holding those of value k of the first
           and of the second block at bits 0-1 and 2-3, of value 16 + k of each at bits 4-5 and 6-7),
@@ -240,6 +245,7 @@ class BlockWeights:
                 "q5_1_r8": (self.qs, self.qh, self.d, self.m, self.count), "q5_1": (self.qs, self.qh, self.d, self.m),
                 "q4_k_r8": (self.qs, self.d, self.sc, self.m, self.dm, self.count),
                 "q5_k_r8": (self.qs, self.qh, self.d, self.sc, self.m, self.dm, self.count),
+                "q6_k_r8": (self.qs, self.q2, self.d, self.sc, self.count),
                 "q4_k": (self.qs, self.d, self.sc, self.m, self.dm),
                 "q5_k": (self.qs, self.qh, self.d, self.sc, self.m, self.dm),
                 "q6_k": (self.qs, self.q2, self.d, self.sc), "q3_k": (self.qs, self.q2, self.d, self.sc),
@@ -313,6 +319,9 @@ class BlockWeights:
         if self.kind not in R8_KINDS:
             return self.rows(ids).dequantize()
         if available():  # the same values in one C++ call (tested equal to the tensor operations below)
+            if self.kind == "q6_k_r8":  # its bits 4-5 in qh's place, ds in d's, the scales per 16
+                return _extension().dequantize_rows_r8(R8_KINDS.index(self.kind), self.qs, self.q2, self.d, None,
+                                                       self.n, ids, self.sc, None)
             if self.sc is not None:  # K layouts: d, m are ds, dm per super-block; sc, mq per block
                 return _extension().dequantize_rows_r8(R8_KINDS.index(self.kind), self.qs, self.qh, self.d, self.dm,
                                                        self.n, ids, self.sc, self.m)
@@ -399,7 +408,7 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
 
 
 # blocks with 8 outputs interleaved, in the order of the C++ kernel's `R8Layout`
-R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8", "q8_0_r8", "iq4_nl_r8", "q4_k_r8", "q5_k_r8")
+R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8", "q8_0_r8", "iq4_nl_r8", "q4_k_r8", "q5_k_r8", "q6_k_r8")
 
 
 def _fifth_bit_bytes(qh: torch.Tensor) -> torch.Tensor:
@@ -428,12 +437,24 @@ def _fifth_bit_words(byte: torch.Tensor) -> torch.Tensor:
 def interleave_r8(w: BlockWeights, minima: bool = True) -> BlockWeights:
     """q4_1 / q5_1 blocks -> q4_1_r8 / q5_1_r8 (minima=False: q4_0_r8 / q5_0_r8, for blocks whose minima are
     −8d / −16d, which the kernel then applies in integers; the minima are dropped unchecked); q8_0 /
-    iq4_nl blocks -> q8_0_r8 / iq4_nl_r8, q4_k / q5_k -> q4_k_r8 / q5_k_r8 (`minima` unused)."""
-    if w.kind not in ("q4_1", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k"):
-        raise ValueError(f"only q4_1 / q5_1 / q8_0 / iq4_nl / q4_k / q5_k blocks interleave, got {w.kind}")
+    iq4_nl blocks -> q8_0_r8 / iq4_nl_r8, q4_k / q5_k / q6_k -> q4_k_r8 / q5_k_r8 / q6_k_r8 (`minima` unused)."""
+    if w.kind not in ("q4_1", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k", "q6_k"):
+        raise ValueError(f"only q4_1 / q5_1 / q8_0 / iq4_nl / q4_k / q5_k / q6_k blocks interleave, got {w.kind}")
     n, nb = w.n, w.k // BLOCK
     groups = (n + 7) // 8
     count = torch.tensor([n], dtype=torch.int64)
+    if w.kind == "q6_k":  # the low nibbles as q4_1_r8's; bits 4-5 and the scales per 16 grouped
+        four = interleave_r8(BlockWeights("q4_1", w.qs, w.d.new_zeros(n, nb), None, n, w.k), minima=False)
+        q, _, _ = w.unpack()
+        high = ((q.to(torch.int16) + 32) >> 4).view(n, nb, 2, 4, 4)  # [N, nb, half, j, k]: value 16·half + 4j + k
+        planes = (high << (2 * torch.arange(4)).view(4, 1)).sum(3)  # [N, nb, half, k]
+        padded = torch.zeros(groups * 8, nb, 2, 4, dtype=torch.uint8)
+        padded[:n] = planes.to(torch.uint8)
+        q2 = padded.view(groups, 8, nb, 2, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 64).contiguous()
+        sc = torch.zeros(groups * 8, nb, 2, dtype=torch.int8)
+        sc[:n] = w.sc.view(n, nb, 2)
+        sc = sc.view(groups, 8, nb, 2).permute(0, 2, 3, 1).reshape(groups, nb, 16).contiguous()
+        return BlockWeights("q6_k_r8", four.qs, block_minima(w.d), None, n, w.k, sc=sc, q2=q2, count=count)
     if w.kind in ("q4_k", "q5_k"):  # the nibbles (and fifth bits) as q4_1_r8's (q5_1_r8's); scales grouped
         four = interleave_r8(BlockWeights("q4_1", w.qs, w.d.new_zeros(n, nb), None, n, w.k), minima=False)
         qh = _fifth_bit_bytes(w.qh) if w.qh is not None else None
@@ -471,6 +492,14 @@ def deinterleave_r8(w: BlockWeights, ids: torch.Tensor | None = None) -> BlockWe
     runs = 8 if w.kind == "q8_0_r8" else 4  # of 4 bytes per output and block
     qs = w.qs.view(-1, nb, runs, 8, 4)[group, :, :, lane, :].reshape(r, nb * runs * 4)  # [R, nb, run, byte]
     d = w.d[group, :, lane]  # [R, nb] (K layouts: [R, nb / 8], ds)
+    if w.kind == "q6_k_r8":  # q − 32 from the nibbles and bits 4-5, the scales per 16 back in order
+        nib = qs.view(r, nb, 16)
+        low = torch.cat([nib & 0x0F, nib >> 4], dim=-1).view(r, nb, 2, 4, 4)  # [R, nb, half, j, k]
+        planes = w.q2.view(-1, nb, 2, 8, 4)[group, :, :, lane, :]  # [R, nb, half, k]
+        high = (planes.unsqueeze(3) >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3  # [R, nb, half, j, k]
+        q = ((low | (high << 4)).to(torch.int8) - 32).view(r, w.k)
+        sc = w.sc.view(-1, nb, 2, 8)[group, :, :, lane].reshape(r, nb * 2)
+        return pack_q6_k(q, d.float(), sc)
     if w.kind in ("q4_k_r8", "q5_k_r8"):
         qh = None if w.qh is None else _fifth_bit_words(w.qh.view(-1, nb, 8, 4)[group, :, lane, :])
         return BlockWeights(w.kind[:-3], qs, d, block_minima(w.m[group, :, lane]), r, w.k, qh,

@@ -329,7 +329,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
     integers), beside Q4_1 / Q5_1 parts they take minimum −8d / −16d (exact; ValueError where the minimum
     overflows float16); Q4_K / Q5_K values take Q4_1's nibble order, 8 outputs interleaved
     (q4_k_r8 / q5_k_r8), with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against
-    the file's 4.5 / 5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own; Q3_K's and Q2_K's
+    the file's 4.5 / 5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own, 8 outputs
+    interleaved (q6_k_r8, 6.56 bits a weight as the file); Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
     against the file's 3.44), Q2_K's scale / minimum bytes as stored (2.63 bits, as the file); IQ4_XS's
     level indices as stored, its 6-bit scales an int8 per 32 (4.31 bits against 4.25)."""
@@ -345,14 +346,15 @@ def stored_block_weights(parts: list[GGMLWeights]):
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
     # repacked straight into 8 outputs interleaved
-    interleaved = kind in ("q4_1", "q5_1", "q8_0_r8", "iq4_nl_r8", "q4_k", "q5_k")
+    interleaved = kind in ("q4_1", "q5_1", "q8_0_r8", "iq4_nl_r8", "q4_k", "q5_k", "q6_k")
     k_r8 = kind in ("q4_k", "q5_k")  # (ds, dm per super-block; sc, mq a byte per block)
+    q6_r8 = kind == "q6_k"  # (ds per super-block; bits 4-5 in planes, scales per 16)
     groups = (n + 7) // 8
     make = torch.zeros if n % 8 else torch.empty  # (the last group's missing outputs zero)
     if interleaved:
         qs = (make(groups, nb, 256, dtype=torch.int8) if kind == "q8_0_r8"
               else make(groups, nb, 128, dtype=torch.uint8))
-        d = make(groups, nsb if k_r8 else nb, 8, dtype=torch.float16)
+        d = make(groups, nsb if k_r8 or q6_r8 else nb, 8, dtype=torch.float16)
     else:
         qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
         d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
@@ -364,8 +366,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
     if k_r8:
         m = make(groups, nsb, 8, dtype=torch.float16)  # the super-blocks' −dmin
         sc, mq = make(groups, nb, 8, dtype=torch.uint8), make(groups, nb, 8, dtype=torch.uint8)
-    elif kind == "q6_k":
-        sc, q2 = torch.empty(n, k // 16, dtype=torch.int8), torch.empty(n, k // 4, dtype=torch.uint8)
+    elif q6_r8:
+        sc, q2 = make(groups, nb, 16, dtype=torch.int8), make(groups, nb, 64, dtype=torch.uint8)
     elif kind == "iq4_xs":
         sc = torch.empty(n, nb, dtype=torch.int8)
     elif two_bit:
@@ -388,8 +390,8 @@ def stored_block_weights(parts: list[GGMLWeights]):
         row0 += part.n
         if part.mapped:  # the file's pages out of the resident set: its copy and the repacked one never both count
             release_pages(part.data)
-    if kind == "q6_k":
-        return block_gemm.BlockWeights("q6_k", qs, d, None, n, k, sc=sc, q2=q2)
+    if q6_r8:
+        return block_gemm.BlockWeights("q6_k_r8", qs, d, None, n, k, sc=sc, q2=q2, count=torch.tensor([n], dtype=torch.int64))
     if kind in ("q8_0_r8", "iq4_nl_r8"):
         return block_gemm.BlockWeights(kind, qs, d, None, n, k, count=torch.tensor([n], dtype=torch.int64))
     if kind == "iq4_xs":

@@ -1444,6 +1444,19 @@ inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
   }
 }
 
+// Σ q of each 16 activations (interleaved Q6_K's −32·Σ q_x per sub-block, in integers): block b's halves at
+// out[2b], out[2b + 1].
+inline void half_block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK));
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
+    out[2 * b] = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    out[2 * b + 1] = lanes[4] + lanes[5] + lanes[6] + lanes[7];
+  }
+}
+
 // One group's block b into cache ahead of its tile (values R8_PREFETCH_BYTES ahead, the scales, minima
 // and fifth bits as far in blocks): `tile_r8`'s layouts (w: block b's values). KS: the K-quants' scales,
 // a byte per block in wsc / wmq and ds / dm per super-block of 8 blocks in wd / wm.
@@ -1596,6 +1609,84 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
   }
 }
 
+// Q6_K interleaved (q6_k_r8): rows [0, TN) of `x` times the 8 outputs of one group, acc[t] lanes = outputs.
+// A block of 32 values holds two of Q6_K's sub-blocks of 16, each with its int8 scale under the super-block's
+// float16 ds: values 0-15 (sub-block 2b) are run j's low nibbles (values 4j..4j+3, as q4_1_r8's), values 16-31
+// (sub-block 2b + 1) its high nibbles; their bits 4-5 in 64 bytes a block (wh): byte 4r + k of the first 32 holds
+// at bits 2j..2j+1 those of value 4j + k of output r, of the next 32 those of value 16 + 4j + k. The unsigned
+// values u = q + 32 (0..63) meet the row's bytes (|Σ| of a sub-block <= 16·63·127 in int32; AVX2: int16 pairs
+// <= 2·63·127 twice, widened every two runs), then Σ u·x − 32·Σ x per sub-block (xs16: the row's Σ q per 16),
+// and one float chain per (output, row): acc = fma(ds·sc_lo·dx, lo, acc), then the same for hi. wsc: int8
+// [nb, 16] (a block's sub-block 2b scales for the 8 outputs, then 2b + 1's); wd: ds [nb / 8, 8].
+inline __m256i q6_run_bits(__m256i planes, int j) {  // bits 2j..2j+1 of each byte at bits 4-5
+  const __m256i v = j == 0 ? _mm256_slli_epi16(planes, 4) : j == 1 ? _mm256_slli_epi16(planes, 2)
+                    : j == 2 ? planes : _mm256_srli_epi16(planes, 2);  // (what crosses bytes, the mask drops)
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+
+// A group's 8 scales ds·sc of sub-block half h (0: values 0-15, 1: 16-31) of block b, exact in float32.
+inline __m256 q6_r8_scales(const uint16_t* wd, const int8_t* wsc, int64_t b, int h) {
+  const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * 8)));
+  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + b * 16 + 8 * h));
+  return _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+}
+
+template <int TN>
+inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const int8_t* wsc, int64_t nb,
+                       const int8_t* xq, const float* dx, const int32_t* xs16, int64_t K, __m256* acc, bool prefetch) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * R8_BLOCK_BYTES;
+    const uint8_t* h = wh + b * 64;
+    if (prefetch) {
+      prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
+      prefetch_ahead(h, R8_PREFETCH_BYTES / 2);
+      if (b % 4 == 0) prefetch_ahead(wsc + b * 16, R8_PREFETCH_BYTES / 8);
+    }
+    const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+    const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
+    __m256i lo_sum[TN], hi_sum[TN];
+    [[maybe_unused]] __m256i lo16[TN], hi16[TN];
+    for (int t = 0; t < TN; ++t) lo_sum[t] = hi_sum[t] = lo16[t] = hi16[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), q6_run_bits(pl, j));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), q6_run_bits(ph, j));
+      for (int t = 0; t < TN; ++t) {
+        const int8_t* xb = xq + t * K + b * QK;
+        int32_t a, c;
+        std::memcpy(&a, xb + 4 * j, 4);
+        std::memcpy(&c, xb + 16 + 4 * j, 4);
+#if FORKLM_VNNI
+        lo_sum[t] = _mm256_dpbusd_epi32(lo_sum[t], lo, _mm256_set1_epi32(a));
+        hi_sum[t] = _mm256_dpbusd_epi32(hi_sum[t], hi, _mm256_set1_epi32(c));
+#else
+        lo16[t] = _mm256_add_epi16(lo16[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+        hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
+#endif
+      }
+#if !FORKLM_VNNI
+      if (j % 2 == 1)  // two runs' int16 pairs (<= 2·2·63·127 < 2^15) into int32
+        for (int t = 0; t < TN; ++t) {
+          lo_sum[t] = _mm256_add_epi32(lo_sum[t], _mm256_madd_epi16(lo16[t], ones));
+          hi_sum[t] = _mm256_add_epi32(hi_sum[t], _mm256_madd_epi16(hi16[t], ones));
+          lo16[t] = hi16[t] = _mm256_setzero_si256();
+        }
+#endif
+    }
+    const __m256 dl = q6_r8_scales(wd, wsc, b, 0), dh = q6_r8_scales(wd, wsc, b, 1);
+    for (int t = 0; t < TN; ++t) {
+      const __m256 dxb = _mm256_set1_ps(dx[t * nb + b]);
+      const __m256i sl = _mm256_sub_epi32(lo_sum[t], _mm256_set1_epi32(32 * xs16[t * 2 * nb + 2 * b]));
+      const __m256i sh = _mm256_sub_epi32(hi_sum[t], _mm256_set1_epi32(32 * xs16[t * 2 * nb + 2 * b + 1]));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dl, dxb), _mm256_cvtepi32_ps(sl), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dh, dxb), _mm256_cvtepi32_ps(sh), acc[t]);
+    }
+  }
+}
+
 #if FORKLM_VNNI
 // Two 256-bit loads as the low and high halves of one vector.
 inline __m512i load_halves(const void* lo, const void* hi) {
@@ -1712,12 +1803,67 @@ inline void tile_r8_signed_x2(const uint8_t* wq, const uint16_t* wd, int64_t nb,
                                _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[t], bias)), acc[t]);
   }
 }
+// `tile_q6_r8` over two groups at once (as `tile_r8_x2`): group g + 1's values nb·128 bytes on, its bits
+// nb·64, its scales nb·16, its ds nb / 8 · 8 halves; lane for lane the same integers and float chains.
+template <int TN>
+inline void tile_q6_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const int8_t* wsc, int64_t nb,
+                          const int8_t* xq, const float* dx, const int32_t* xs16, int64_t K, __m512* acc, bool prefetch) {
+  const int64_t next = nb * R8_BLOCK_BYTES, nsb = nb / 8;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * R8_BLOCK_BYTES;
+    const uint8_t* h = wh + b * 64;
+    if (prefetch)
+      for (int64_t g = 0; g < 2; ++g) {
+        prefetch_ahead(w + g * next, R8_PREFETCH_BYTES), prefetch_ahead(w + g * next, R8_PREFETCH_BYTES + 64);
+        prefetch_ahead(h + g * nb * 64, R8_PREFETCH_BYTES / 2);
+        if (b % 4 == 0) prefetch_ahead(wsc + (g * nb + b) * 16, R8_PREFETCH_BYTES / 8);
+      }
+    const __m512i pl = load_halves(h, h + nb * 64), ph = load_halves(h + 32, h + nb * 64 + 32);
+    __m512i lo_sum[TN], hi_sum[TN];
+    for (int t = 0; t < TN; ++t) lo_sum[t] = hi_sum[t] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const auto run_bits = [&](__m512i planes) {
+        const __m512i v = j == 0 ? _mm512_slli_epi16(planes, 4) : j == 1 ? _mm512_slli_epi16(planes, 2)
+                          : j == 2 ? planes : _mm512_srli_epi16(planes, 2);
+        return _mm512_and_si512(v, bits45);
+      };
+      const __m512i v = load_halves(w + 32 * j, w + next + 32 * j);
+      const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), run_bits(pl));
+      const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), run_bits(ph));
+      for (int t = 0; t < TN; ++t) {
+        const int8_t* xb = xq + t * K + b * QK;
+        int32_t a, c;
+        std::memcpy(&a, xb + 4 * j, 4);
+        std::memcpy(&c, xb + 16 + 4 * j, 4);
+        lo_sum[t] = _mm512_dpbusd_epi32(lo_sum[t], lo, _mm512_set1_epi32(a));
+        hi_sum[t] = _mm512_dpbusd_epi32(hi_sum[t], hi, _mm512_set1_epi32(c));
+      }
+    }
+    const __m512 ds = halves_to_float16(wd + b / 8 * 8, wd + (nsb + b / 8) * 8);
+    const auto scales = [&](int half) {
+      const __m128i sc = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + b * 16 + 8 * half)),
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + (nb + b) * 16 + 8 * half)));
+      return _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    };
+    const __m512 dl = scales(0), dh = scales(1);
+    for (int t = 0; t < TN; ++t) {
+      const __m512 dxb = _mm512_set1_ps(dx[t * nb + b]);
+      const __m512i sl = _mm512_sub_epi32(lo_sum[t], _mm512_set1_epi32(32 * xs16[t * 2 * nb + 2 * b]));
+      const __m512i sh = _mm512_sub_epi32(hi_sum[t], _mm512_set1_epi32(32 * xs16[t * 2 * nb + 2 * b + 1]));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dl, dxb), _mm512_cvtepi32_ps(sl), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dh, dxb), _mm512_cvtepi32_ps(sh), acc[t]);
+    }
+  }
+}
 #endif
 
 // (in block_gemm.py's R8_KINDS order)
-enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL, R8_Q4_K, R8_Q5_K };
+enum R8Layout { R8_Q4_0, R8_Q4_1, R8_Q5_0, R8_Q5_1, R8_Q8_0, R8_IQ4_NL, R8_Q4_K, R8_Q5_K, R8_Q6_K };
 
 constexpr bool r8_has_k_scales(int L) { return L == R8_Q4_K || L == R8_Q5_K; }
+constexpr bool r8_per_super_block(int L) { return r8_has_k_scales(L) || L == R8_Q6_K; }  // d: ds [G, nb / 8, 8]
 constexpr bool r8_has_minima(int L) { return L == R8_Q4_1 || L == R8_Q5_1 || r8_has_k_scales(L); }
 constexpr bool r8_has_fifth_bits(int L) { return L == R8_Q5_0 || L == R8_Q5_1 || L == R8_Q5_K; }
 constexpr int64_t r8_block_bytes(int L) { return L == R8_Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES; }
@@ -1729,9 +1875,15 @@ void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, co
                      const torch::Tensor& m, int64_t G, int64_t nb, const torch::Tensor& sc = torch::Tensor(),
                      const torch::Tensor& mq = torch::Tensor()) {
   const int64_t bytes = r8_block_bytes(L);
-  const bool ks = r8_has_k_scales(L);
-  TORCH_CHECK(!ks || nb % 8 == 0, "K-quant blocks need K divisible by 256, got ", nb * QK);
-  const int64_t sblocks = ks ? nb / 8 : nb;  // rows of d and m per group
+  const bool ks = r8_has_k_scales(L), q6 = L == R8_Q6_K;
+  TORCH_CHECK(!r8_per_super_block(L) || nb % 8 == 0, "K-quant blocks need K divisible by 256, got ", nb * QK);
+  const int64_t sblocks = r8_per_super_block(L) ? nb / 8 : nb;  // rows of d and m per group
+  if (q6)
+    TORCH_CHECK(sc.defined() && sc.dim() == 3 && sc.scalar_type() == torch::kInt8 && sc.is_contiguous() && sc.is_cpu() &&
+                    sc.size(0) == G && sc.size(1) == nb && sc.size(2) == 16 && qh.defined() && qh.dim() == 3 &&
+                    qh.scalar_type() == torch::kUInt8 && qh.is_contiguous() && qh.is_cpu() && qh.size(0) == G &&
+                    qh.size(1) == nb && qh.size(2) == 64,
+                "interleaved Q6_K needs its high bits q2 uint8 [", G, ", ", nb, ", 64] and scales sc int8 [", G, ", ", nb, ", 16]");
   for (const torch::Tensor* t : {&sc, &mq})
     if (ks)
       TORCH_CHECK(t->defined() && t->dim() == 3 && t->scalar_type() == torch::kUInt8 && t->is_contiguous() && t->is_cpu() &&
@@ -1762,7 +1914,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
                       const std::optional<torch::Tensor>& norm_weight, double eps,
                       const std::optional<torch::Tensor>& residual, const torch::Tensor& sc = torch::Tensor(),
                       const torch::Tensor& mq = torch::Tensor()) {
-  constexpr bool MIN = r8_has_minima(L), H5 = r8_has_fifth_bits(L), KS = r8_has_k_scales(L);
+  constexpr bool MIN = r8_has_minima(L), H5 = r8_has_fifth_bits(L), KS = r8_has_k_scales(L), Q6 = L == R8_Q6_K;
   constexpr bool SIGNED = L == R8_Q8_0 || L == R8_IQ4_NL;
   constexpr int64_t BLOCK_BYTES = r8_block_bytes(L);
   const ProductInput in = product_input(x_in, mode_in, norm_weight);
@@ -1782,8 +1934,11 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   quantize_rows_into(x, K, mode, in.norm_data(), static_cast<float>(eps), false,
                      buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
   std::vector<int32_t>& xs = buf.block_sums;
-  xs.resize(MIN || SIGNED ? 0 : T * nb);
-  if constexpr (!MIN && !SIGNED) block_sums(buf.q.data(), T * nb, xs.data());
+  xs.resize(MIN || SIGNED ? 0 : Q6 ? 2 * T * nb : T * nb);
+  if constexpr (Q6)
+    half_block_sums(buf.q.data(), T * nb, xs.data());
+  else if constexpr (!MIN && !SIGNED)
+    block_sums(buf.q.data(), T * nb, xs.data());
   // The VNNI build's signed tiles read x + 128 as unsigned bytes (`vpdpbusd` multiplies unsigned by
   // signed; |x| <= 127, so x + 128 is 1..255: the top bit flipped) and take 128·Σ w back out per block.
   if constexpr (SIGNED && FORKLM_VNNI)
@@ -1794,7 +1949,9 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   const uint8_t* wh = H5 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr;
   const uint8_t* wsc = KS ? sc.data_ptr<uint8_t>() : nullptr;
   const uint8_t* wmq = KS ? mq.data_ptr<uint8_t>() : nullptr;
-  const int64_t sblocks = KS ? nb / 8 : nb;  // a group's rows of d and m
+  const int8_t* wsc6 = Q6 ? sc.data_ptr<int8_t>() : nullptr;  // Q6_K: int8 per 16 values
+  const uint8_t* wh6 = Q6 ? static_cast<const uint8_t*>(qh.data_ptr()) : nullptr;  // Q6_K: bits 4-5, 64 bytes a block
+  const int64_t sblocks = r8_per_super_block(L) ? nb / 8 : nb;  // a group's rows of d and m
   const int8_t* xq = buf.q.data();
   const float *dx = buf.d.data(), *sx = buf.s.data();
   const int32_t* xsp = xs.data();
@@ -1828,6 +1985,9 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
             if constexpr (SIGNED)
               tile_r8_signed_x2<L == R8_IQ4_NL, TN>(wq + g * group_bytes, wd + g * nb * 8, nb, xq + t * K, dx + t * nb, K,
                                                     acc, t == 0);
+            else if constexpr (Q6)
+              tile_q6_r8_x2<TN>(wq + g * group_bytes, wh6 + g * nb * 64, wd + g * sblocks * 8, wsc6 + g * nb * 16, nb,
+                                xq + t * K, dx + t * nb, xsp + 2 * t * nb, K, acc, t == 0);
             else
               tile_r8_x2<MIN, H5, TN, KS>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * sblocks * 8,
                                           MIN ? wm + g * sblocks * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
@@ -1844,6 +2004,9 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
           if constexpr (SIGNED)
             tile_r8_signed<L == R8_IQ4_NL, TN>(wq + g * group_bytes, wd + g * nb * 8, nb, xq + t * K, dx + t * nb, K, acc,
                                                t == 0);
+          else if constexpr (Q6)
+            tile_q6_r8<TN>(wq + g * group_bytes, wh6 + g * nb * 64, wd + g * sblocks * 8, wsc6 + g * nb * 16, nb,
+                           xq + t * K, dx + t * nb, xsp + 2 * t * nb, K, acc, t == 0);
           else
             tile_r8<MIN, H5, TN, KS>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * sblocks * 8,
                                      MIN ? wm + g * sblocks * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
@@ -1900,6 +2063,14 @@ torch::Tensor gemm_q5_1_r8(const torch::Tensor& x, const torch::Tensor& qs, cons
                            const std::optional<torch::Tensor>& norm_weight, double eps,
                            const std::optional<torch::Tensor>& residual) {
   return gemm_r8<R8_Q5_1>(x, qs, qh, d, m, count, prologue, norm_weight, eps, residual);
+}
+
+// Q6_K interleaved (BlockWeights.kernel_arrays' order: qs, q2 the values' bits 4-5, ds, sc int8 per 16, count)
+torch::Tensor gemm_q6_k_r8(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& q2, const torch::Tensor& ds,
+                           const torch::Tensor& sc, const torch::Tensor& count, int64_t prologue,
+                           const std::optional<torch::Tensor>& norm_weight, double eps,
+                           const std::optional<torch::Tensor>& residual) {
+  return gemm_r8<R8_Q6_K>(x, qs, q2, ds, ds, count, prologue, norm_weight, eps, residual, sc, sc);
 }
 
 // Q4_K / Q5_K interleaved (the arrays in BlockWeights.kernel_arrays' order: mq the blocks' 6-bit minima, dm the
@@ -2108,20 +2279,25 @@ void repack_k_row(bool five, const uint8_t* src, int64_t nsb, uint8_t* qs, uint1
 
 // one row of Q6_K super-blocks (256 values: 128 bytes of low nibbles, 64 of 2-bit pairs, 16 int8
 // scales, d), as ggml's dequantize_row_q6_K reads them: values q + 32 in 0..63
+// One Q6_K super-block's 256 values q + 32 (0..63) in order.
+inline void q6_values(const uint8_t* x, uint8_t* v) {
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* ql = x + 64 * half;
+    const uint8_t* qh = x + 128 + 32 * half;
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t byte = ql[32 * (k & 1) + l];
+        const uint8_t low = (k >> 1) ? byte >> 4 : byte & 0x0F;
+        v[128 * half + 32 * k + l] = low | (((qh[l] >> (2 * k)) & 3) << 4);
+      }
+  }
+}
+
 void repack_q6_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint8_t* q2, uint16_t* ds, int8_t* sc) {
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* x = src + s * 210;
     uint8_t v[256];
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* ql = x + 64 * half;
-      const uint8_t* qh = x + 128 + 32 * half;
-      for (int k = 0; k < 4; ++k)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t byte = ql[32 * (k & 1) + l];
-          const uint8_t low = (k >> 1) ? byte >> 4 : byte & 0x0F;
-          v[128 * half + 32 * k + l] = low | (((qh[l] >> (2 * k)) & 3) << 4);
-        }
-    }
+    q6_values(x, v);
     for (int blk = 0; blk < 8; ++blk) {
       const uint8_t* vb = v + 32 * blk;
       uint8_t* out = qs + (s * 8 + blk) * 16;
@@ -2289,6 +2465,41 @@ void repack_k_rows_r8(bool five, const uint8_t* src, int64_t bytes, int64_t nsb,
   });
 }
 
+// Stored Q6_K rows -> q6_k_r8 for outputs [row0, row0 + r) (order as `repack_k_rows_r8`): per block of 32 the
+// values' low 4 bits as q4_1_r8's nibbles (qs [G, nb, 128]), their bits 4-5 in 64 bytes (q2 [G, nb, 64]: byte
+// 4·lane + k of the first 32 holds at bits 2j those of value 4j + k, of the next 32 those of 16 + 4j + k), the
+// scales of its two 16s (sc int8 [G, nb, 16]: the first 16's for the 8 outputs, then the second's), ds fp16 [G, nsb, 8].
+void repack_q6_k_rows_r8(const uint8_t* src, int64_t bytes, int64_t nsb, int64_t row0, int64_t r, const int64_t* order,
+                         uint8_t* qs, uint8_t* q2, uint16_t* ds, int8_t* sc) {
+  const int64_t nb = nsb * 8;
+  at::parallel_for(0, r, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = src + (order != nullptr ? order[i] : i) * bytes;
+      const int64_t o = row0 + i, g = o / 8, lane = o % 8;
+      for (int64_t s = 0; s < nsb; ++s) {
+        const uint8_t* x = row + s * 210;
+        uint8_t v[256];
+        q6_values(x, v);
+        ds[(g * nsb + s) * 8 + lane] = load_u16(x + 208);
+        for (int blk = 0; blk < 8; ++blk) {
+          const uint8_t* vb = v + 32 * blk;
+          const int64_t at = g * nb + s * 8 + blk;
+          uint8_t nibbles[16];
+          for (int j = 0; j < 16; ++j) nibbles[j] = (vb[j] & 0x0F) | ((vb[j + 16] & 0x0F) << 4);
+          scatter_r8_lane(nibbles, qs + at * R8_BLOCK_BYTES, lane, nullptr, nullptr);
+          for (int k = 0; k < 4; ++k) {
+            uint8_t first = 0, second = 0;
+            for (int j = 0; j < 4; ++j)
+              first |= ((vb[4 * j + k] >> 4) & 3) << (2 * j), second |= ((vb[16 + 4 * j + k] >> 4) & 3) << (2 * j);
+            q2[at * 64 + 4 * lane + k] = first, q2[at * 64 + 32 + 4 * lane + k] = second;
+          }
+          for (int h = 0; h < 2; ++h) sc[at * 16 + 8 * h + lane] = static_cast<int8_t>(x[192 + 2 * blk + h]);
+        }
+      }
+    }
+  });
+}
+
 int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int64_t row0, const torch::Tensor& qs,
                     const torch::Tensor& d, const std::optional<torch::Tensor>& m,
                     const std::optional<torch::Tensor>& qh, const std::optional<torch::Tensor>& sc,
@@ -2308,7 +2519,8 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const bool signed8 = type == Stored::Q8_0 || type == Stored::IQ4_NL;  // (interleaved only)
   // Q4_K / Q5_K into q4_k_r8 / q5_k_r8: d / m the super-blocks' ds / dm [G, K/256, 8], sc / mq [G, K/32, 8]
   const bool k_r8 = r8 && (type == Stored::Q4_K || type == Stored::Q5_K);
-  TORCH_CHECK(!r8 || signed8 || k_r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
+  const bool q6_r8 = r8 && type == Stored::Q6_K;  // q2 the bits 4-5 [G, K/32, 64], sc int8 [G, K/32, 16]
+  TORCH_CHECK(!r8 || signed8 || k_r8 || q6_r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
               "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 (with their minima m [N, K/32]), Q8_0, IQ4_NL, Q4_K and Q5_K blocks "
               "repack interleaved");
   TORCH_CHECK(r8 || type != Stored::Q8_0, "repack: Q8_0 blocks repack interleaved only");
@@ -2334,13 +2546,14 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const int64_t blocks = bytes / block_bytes;  // per row: blocks of 32 (legacy) or super-blocks of 256
   const int64_t nb = legacy || type == Stored::Q8_0 ? blocks : blocks * 8;  // blocks of 32 per row
   const std::optional<torch::Tensor> qs_opt = qs, d_opt = d;
+  const int64_t groups = (n + 7) / 8;
+  // an interleaved array of the K layouts: [G, rows, width] of dtype
+  const auto is = [&](const std::optional<torch::Tensor>& t, torch::ScalarType dtype, int64_t rows, int64_t width) {
+    return t.has_value() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == dtype && t->dim() == 3 &&
+           t->size(0) == groups && t->size(1) == rows && t->size(2) == width;
+  };
   if (k_r8) {
-    const int64_t groups = (n + 7) / 8;
     const bool q5k = type == Stored::Q5_K;
-    const auto is = [&](const std::optional<torch::Tensor>& t, torch::ScalarType dtype, int64_t rows, int64_t width) {
-      return t.has_value() && t->is_cpu() && t->is_contiguous() && t->scalar_type() == dtype && t->dim() == 3 &&
-             t->size(0) == groups && t->size(1) == rows && t->size(2) == width;
-    };
     TORCH_CHECK(qs.is_cpu() && qs.is_contiguous() && qs.scalar_type() == torch::kUInt8 && qs.size(0) == groups &&
                     qs.size(1) == nb && qs.size(2) == R8_BLOCK_BYTES && is(d_opt, torch::kFloat16, blocks, 8) &&
                     is(m, torch::kFloat16, blocks, 8) && is(sc, torch::kUInt8, nb, 8) && is(mq, torch::kUInt8, nb, 8) &&
@@ -2352,7 +2565,16 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
                      sc->data_ptr<uint8_t>(), mq->data_ptr<uint8_t>(), q5k ? qh->data_ptr<uint8_t>() : nullptr);
     return 0;
   }
-  const int64_t groups = (n + 7) / 8, group_block_bytes = type == Stored::Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES;
+  if (q6_r8) {
+    TORCH_CHECK(is(qs_opt, torch::kUInt8, nb, R8_BLOCK_BYTES) && is(d_opt, torch::kFloat16, blocks, 8) &&
+                    is(q2, torch::kUInt8, nb, 64) && is(sc, torch::kInt8, nb, 16),
+                "repack: interleaved Q6_K needs qs uint8 [", groups, ", ", nb, ", 128], d float16 [", groups, ", ", blocks,
+                ", 8], q2 uint8 [", groups, ", ", nb, ", 64] and sc int8 [", groups, ", ", nb, ", 16]");
+    repack_q6_k_rows_r8(raw.data_ptr<uint8_t>(), bytes, blocks, row0, r, order_p, qs.data_ptr<uint8_t>(),
+                        q2->data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(d.data_ptr()), sc->data_ptr<int8_t>());
+    return 0;
+  }
+  const int64_t group_block_bytes = type == Stored::Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES;
   if (r8)
     TORCH_CHECK(qs.is_cpu() && d.is_cpu() && qs.is_contiguous() && qs.element_size() == 1 && qs.size(0) == groups && qs.size(1) == nb &&
                     qs.size(2) == group_block_bytes && d.is_contiguous() && d.scalar_type() == torch::kFloat16 &&
@@ -2507,16 +2729,17 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
                                  const std::optional<torch::Tensor>& mq_in) {
   const torch::Tensor qh = qh_in.value_or(torch::Tensor()), m = m_in.value_or(torch::Tensor());
   const torch::Tensor sc = sc_in.value_or(torch::Tensor()), mq = mq_in.value_or(torch::Tensor());
-  TORCH_CHECK(layout >= R8_Q4_0 && layout <= R8_Q5_K, "unknown interleaved layout ", layout);
+  TORCH_CHECK(layout >= R8_Q4_0 && layout <= R8_Q6_K, "unknown interleaved layout ", layout);
   const R8Layout L = static_cast<R8Layout>(layout);
   const bool q8 = L == R8_Q8_0, nl = L == R8_IQ4_NL, h5 = r8_has_fifth_bits(L), minima = r8_has_minima(L);
   const bool ks = r8_has_k_scales(L);
-  const bool adds_m = !q8 && !nl;  // Q4_1 / Q5_1: the stored m; Q4_0 / Q5_0: −8d / −16d
+  const bool q6 = L == R8_Q6_K;  // w = ds·sc·(q − 32), q the nibble and bits 4-5 (qh), sc per 16 values
+  const bool adds_m = !q8 && !nl && !q6;  // Q4_1 / Q5_1: the stored m; Q4_0 / Q5_0: −8d / −16d
   const int64_t block_bytes = r8_block_bytes(L), G = (n + 7) / 8;
   TORCH_CHECK(qs.dim() == 3, "interleaved block values must be a 3-dimensional tensor [G, nb, ", block_bytes, "]");
   const int64_t nb = qs.size(1), K = nb * QK;
   check_r8_arrays(L, qs, qh, d, m, G, nb, sc, mq);
-  const int64_t sblocks = ks ? nb / 8 : nb;
+  const int64_t sblocks = r8_per_super_block(L) ? nb / 8 : nb;
   TORCH_CHECK(ids_in.dim() == 1 && at::isIntegralType(ids_in.scalar_type(), /*includeBool=*/false),
               "ids must be a one-dimensional integer tensor, got ", ids_in.scalar_type(), " ", ids_in.sizes());
   const torch::Tensor ids = ids_in.to(torch::kCPU, torch::kInt64).contiguous();
@@ -2531,12 +2754,14 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
   const uint16_t* wm = minima ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
   const uint8_t* wsc = ks ? sc.data_ptr<uint8_t>() : nullptr;
   const uint8_t* wmq = ks ? mq.data_ptr<uint8_t>() : nullptr;
+  const int8_t* wsc6 = q6 ? sc.data_ptr<int8_t>() : nullptr;
+  const uint8_t* wh6 = q6 ? qh.data_ptr<uint8_t>() : nullptr;
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t g = ip[r] / 8, lane = ip[r] % 8;
     float* row = op + r * K;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = g * nb + b, sat = ks ? g * sblocks + b / 8 : at;  // (K layouts: d, m per super-block)
+      const int64_t at = g * nb + b, sat = ks || q6 ? g * sblocks + b / 8 : at;  // (K layouts: d, m per super-block)
       // K layouts: ds·sc and dm·mq, exact in float32 (`r8_block_scales`)
       const float db = _cvtsh_ss(wd[sat * 8 + lane]) * (ks ? static_cast<float>(wsc[at * 8 + lane]) : 1.f);
       const float mb = minima ? _cvtsh_ss(wm[sat * 8 + lane]) * (ks ? static_cast<float>(wmq[at * 8 + lane]) : 1.f)
@@ -2555,12 +2780,16 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
               const uint8_t bits = wh[at * 32 + 4 * lane + k];
               lo |= ((bits >> j) & 1) << 4, hi |= ((bits >> (4 + j)) & 1) << 4;
             }
+            if (q6) {  // bits 4-5: byte 4·lane + k of the block's first 32 (values 4j + k) / next 32 (16 + 4j + k), bits 2j
+              lo |= ((wh6[at * 64 + 4 * lane + k] >> (2 * j)) & 3) << 4, lo -= 32;
+              hi |= ((wh6[at * 64 + 32 + 4 * lane + k] >> (2 * j)) & 3) << 4, hi -= 32;
+            }
             q[4 * j + k] = nl ? IQ4_NL_LEVELS[lo] : lo;
             q[16 + 4 * j + k] = nl ? IQ4_NL_LEVELS[hi] : hi;
           }
       }
-      for (int i = 0; i < QK; ++i) {
-        const float v = q[i] * db;  // (built with -ffp-contract=off: two roundings, as numpy's)
+      for (int i = 0; i < QK; ++i) {  // (Q6_K: ds·sc of the value's 16, exact)
+        const float v = q[i] * (q6 ? _cvtsh_ss(wd[sat * 8 + lane]) * static_cast<float>(wsc6[at * 16 + 8 * (i / 16) + lane]) : db);  // (built with -ffp-contract=off: two roundings, as numpy's)
         row[b * QK + i] = adds_m ? v + mb : v;
       }
     }
@@ -2586,6 +2815,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_q4_k_r8", &gemm_q4_k_r8, "y [T, N] = x [T, K] float32 times Q4_K weights, 8 outputs interleaved "
         "(qs uint8 [ceil(N/8), K/32, 128], ds fp16 [ceil(N/8), K/256, 8], sc / mq uint8 [ceil(N/8), K/32, 8], "
         "dm fp16 [ceil(N/8), K/256, 8], count int64 [1]: N)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_q6_k_r8", &gemm_q6_k_r8, "y [T, N] = x [T, K] float32 times Q6_K weights, 8 outputs interleaved "
+        "(qs uint8 [ceil(N/8), K/32, 128] the low 4 bits, q2 uint8 [ceil(N/8), K/32, 64] bits 4-5, ds fp16 "
+        "[ceil(N/8), K/256, 8], sc int8 [ceil(N/8), K/32, 16], count int64 [1]: N)",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q5_k_r8", &gemm_q5_k_r8, "y [T, N] = x [T, K] float32 times Q5_K weights, 8 outputs interleaved "
         "(gemm_q4_k_r8's arrays and qh uint8 [ceil(N/8), K/32, 32] after qs)",

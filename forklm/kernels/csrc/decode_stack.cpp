@@ -34,6 +34,7 @@ struct BlockPart {
     if (kind == "q8_0_r8") return gemm_r8<R8_Q8_0>(x, a[0], a[0], a[1], a[1], a[2], mode, norm, eps, r);
     if (kind == "iq4_nl_r8") return gemm_r8<R8_IQ4_NL>(x, a[0], a[0], a[1], a[1], a[2], mode, norm, eps, r);
     if (kind == "q4_k_r8") return gemm_r8<R8_Q4_K>(x, a[0], a[0], a[1], a[4], a[5], mode, norm, eps, r, a[2], a[3]);
+    if (kind == "q6_k_r8") return gemm_r8<R8_Q6_K>(x, a[0], a[1], a[2], a[2], a[4], mode, norm, eps, r, a[3], a[3]);
     if (kind == "q5_k_r8") return gemm_r8<R8_Q5_K>(x, a[0], a[1], a[2], a[5], a[6], mode, norm, eps, r, a[3], a[4]);
     if (kind == "q5_1") return gemm<true, true>(x, a[0], a[2], a[3], mode, norm, eps, r, a[1]);
     if (kind == "q4_k") return gemm<true, false, true>(x, a[0], a[1], a[3], mode, norm, eps, r, torch::Tensor(), a[2], a[4]);
@@ -92,7 +93,7 @@ class DecodeStack {
     const size_t L = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * L && kinds.size() == 4 * L && arrays.size() == 4 * L,
                 "a decode stack needs 2 norms and 4 block matrices per layer");
-    const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q4_0_r8", 3}, {"q4_1_r8", 4}, {"q5_0_r8", 4}, {"q5_1_r8", 5}, {"q8_0_r8", 3}, {"iq4_nl_r8", 3}, {"q4_k_r8", 6}, {"q5_k_r8", 7}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q6_k", 4}, {"q3_k", 4}, {"q2_k", 3}, {"q8_0", 2}, {"iq4_nl", 2}, {"iq4_xs", 3}};
+    const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q4_0_r8", 3}, {"q4_1_r8", 4}, {"q5_0_r8", 4}, {"q5_1_r8", 5}, {"q8_0_r8", 3}, {"iq4_nl_r8", 3}, {"q4_k_r8", 6}, {"q5_k_r8", 7}, {"q6_k_r8", 5}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q6_k", 4}, {"q3_k", 4}, {"q2_k", 3}, {"q8_0", 2}, {"iq4_nl", 2}, {"iq4_xs", 3}};
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == L, "one q/k/v bias (or None) per layer, or none at all");
     std::vector<BlockMatrix> matrices(4 * L);
     for (size_t i = 0; i < 4 * L; ++i) {
