@@ -86,6 +86,17 @@ def block_kernel_available() -> bool:
     return block_kernel_error() is None
 
 
+def k_quants_interleaved() -> bool:
+    """Whether GGUF Q4_K / Q5_K tensors take the block kernel's interleaved layouts (q4_k_r8 / q5_k_r8): on
+    its AVX512-VNNI build, whose two-group 512-bit tiles ran a 1B Q4_K_M file's Q4_K products 1.5x the plain
+    layout's at 8-32 rows (2026-11-28, Cascade Lake Xeon, by hand); the AVX2 build keeps the plain layout
+    (`tile_k`), 1.14x faster there at 32 rows and level at 8 (the same Xeon, the AVX2 build, by hand; the
+    interleaved Q4_K was slower at 4-32 rows on an AVX2 EPYC too, 2026-11-27). Q6_K is interleaved on both."""
+    from forklm.kernels import block_gemm
+
+    return block_kernel_available() and block_gemm.uses_vnni()
+
+
 def quantized_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether quantized weights run as such (else they are dequantized at load): on CPU, for
     bfloat16 and float32 models alike."""
@@ -182,6 +193,7 @@ class Backend:
     weight_layout: str = "out_in"  # dense weights: "in_out" (x @ W) | "out_in" (F.linear)
     quantized_kernels: bool = False  # quantized weights run as such (else dequantized at load)
     block_kernel: bool = False  # GGUF blocks and "int4" run on forklm's block kernel (float32 activations)
+    interleaved_k_quants: bool = False  # GGUF Q4_K / Q5_K in q4_k_r8 / q5_k_r8 (`k_quants_interleaved`), else q4_k / q5_k
     decode_kernel: str | None = None  # decode attention under EngineConfig(decode_kernel="auto"); set by `for_model`
     fallbacks: list[str] = field(default_factory=list)  # each fall-back from the fast path, and why
 
@@ -222,7 +234,8 @@ class Backend:
                              f"bfloat16 / float32 models on CPU")
         layout = weight_layout or ("out_in" if quantized else weight_layout_for(dtype, device))
         block = quantized and dtype == torch.float32 and device.type == "cpu" and block_kernel_available()
-        return cls(device, dtype, quantize, layout, quantized, block, None, fallbacks)
+        return cls(device, dtype, quantize, layout, quantized, block, interleaved_k_quants=block and k_quants_interleaved(),
+                   fallbacks=fallbacks)
 
     def for_model(self, head_dim: int) -> None:
         """Settles what depends on the model's shape (the model calls it once): the decode attention

@@ -781,13 +781,14 @@ def test_cpu_isa_avx2_takes_every_choice_an_avx2_cpu_would(monkeypatch):
     probe = ("from forklm.device import cpu_flags, cpu_has_native_bf16; from forklm.kernels import block_gemm as bg;"
              "from forklm import backend; f = cpu_flags();"
              "print(any(x.startswith(('avx512', 'amx')) for x in f), 'avx2' in f, cpu_has_native_bf16(),"
-             " bg.uses_vnni(), backend.block_dense_dtype())")
+             " bg.uses_vnni(), backend.block_dense_dtype(), backend.k_quants_interleaved())")
     env = {k: v for k, v in __import__("os").environ.items() if k != "FORKLM_CPU_ISA"}
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "FORKLM_CPU_ISA": "avx2"},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "True", "False", "False", "torch.float32"]
+    assert out == ["False", "True", "False", "False", "torch.float32", "False"]  # Q4_K / Q5_K: the plain layout
     native = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert native[1] == "True" and native[0] == str(any(x.startswith(("avx512", "amx")) for x in cpu_flags()))
+    assert native[5] == native[3]  # Q4_K / Q5_K interleaved where the VNNI build runs
     monkeypatch.setenv("FORKLM_CPU_ISA", "avx512")
     cpu_flags.cache_clear()
     try:
@@ -835,3 +836,28 @@ def test_interleaved_row_lookup_in_cpp_equals_the_tensor_operations(kind):
     for bad in (torch.tensor([1.5]), torch.tensor([True])):
         with pytest.raises(RuntimeError, match="integer tensor"):
             w.dequantize_rows(bad)
+
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_k_quant_tensors_take_the_layout_the_backend_picks(interleave):
+    """GGUF Q4_K / Q5_K / Q6_K bytes (written by ggml itself) repack into the layout the backend picks
+    (Q4_K / Q5_K interleaved on the VNNI build, plain on the AVX2 one; Q6_K interleaved on both) holding the
+    file's values: both layouts' weights equal ggml's dequantization, their products the float product's to
+    rounding (the interleaved layouts quantize the activations per 32, the plain ones per 256)."""
+    from forklm.kernels import ggml_gemm
+
+    if not ggml_gemm.available():
+        pytest.fail(f"ggml's kernels did not build on an AVX2 CPU: {ggml_gemm.build_error()}")
+    g = torch.Generator().manual_seed(7)
+    for type_name, n in (("Q4_K", 37), ("Q5_K", 16), ("Q6_K", 21)):
+        w = ggml_gemm.quantize(torch.randn(n, 512, generator=g), type_name)
+        got = quant.stored_block_weights([w], interleave_k=interleave)
+        plain = quant.stored_block_weights([w], interleave_k=False)
+        want = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k_r8"}[type_name]
+        assert got.kind == (want + "_r8" if interleave and type_name != "Q6_K" else want)
+        values = w.dequantize().float()
+        assert torch.equal(got.dequantize(), values) and torch.equal(plain.dequantize(), values)
+        x = torch.randn(5, 512, generator=g)
+        assert rel_err(bg.gemm(x, got), x.double() @ values.double().t()) < 0.02
+    assert Backend.exact(torch.float32, torch.device("cpu"), "gguf").interleaved_k_quants == backend.k_quants_interleaved()

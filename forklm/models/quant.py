@@ -320,7 +320,7 @@ def block_kernel_kind(type_names) -> str | None:
     return {frozenset({"q4_1", "q5_1"}): "q5_1", frozenset({"q4_k", "q5_k"}): "q5_k"}.get(frozenset(kinds))
 
 
-def stored_block_weights(parts: list[GGMLWeights]):
+def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool = True):
     """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`,
     `block_gemm.BlockWeights`), repacked from the stored bytes in one C++ pass (`repack_rows`): every
     value as stored. Q4_0 / Q4_1 / Q5_0 / Q5_1 keep GGUF's nibbles (value j in the low nibble of byte j,
@@ -328,7 +328,7 @@ def stored_block_weights(parts: list[GGMLWeights]):
     interleaved (`block_gemm.interleave_r8`'s layouts, written directly by the pass); Q4_0 / Q5_0 alone keep no minima (−8d / −16d applied in
     integers), beside Q4_1 / Q5_1 parts they take minimum −8d / −16d (exact; ValueError where the minimum
     overflows float16); Q4_K / Q5_K values take Q4_1's nibble order, 8 outputs interleaved
-    (q4_k_r8 / q5_k_r8), with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against
+    (q4_k_r8 / q5_k_r8) where `interleave_k` (the backend's `interleaved_k_quants`, else q4_k / q5_k), with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against
     the file's 4.5 / 5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own, 8 outputs
     interleaved (q6_k_r8, 6.56 bits a weight as the file); Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
@@ -345,9 +345,9 @@ def stored_block_weights(parts: list[GGMLWeights]):
     only_q5_0 = all(p.type_name == "Q5_0" for p in parts)  # (Q4_0 and Q5_0 alone keep no minima)
     k_quant = kind in block_gemm.SUPER_BLOCK_KINDS
     two_bit = kind in ("q3_k", "q2_k")  # values as 2-bit planes
-    # repacked straight into 8 outputs interleaved
-    interleaved = kind in ("q4_1", "q5_1", "q8_0_r8", "iq4_nl_r8", "q4_k", "q5_k", "q6_k")
-    k_r8 = kind in ("q4_k", "q5_k")  # (ds, dm per super-block; sc, mq a byte per block)
+    # repacked straight into 8 outputs interleaved (Q4_K / Q5_K where `interleave_k`)
+    k_r8 = kind in ("q4_k", "q5_k") and interleave_k  # (ds, dm per super-block; sc, mq a byte per block)
+    interleaved = kind in ("q4_1", "q5_1", "q8_0_r8", "iq4_nl_r8", "q6_k") or k_r8
     q6_r8 = kind == "q6_k"  # (ds per super-block; bits 4-5 in planes, scales per 16)
     groups = (n + 7) // 8
     make = torch.zeros if n % 8 else torch.empty  # (the last group's missing outputs zero)
@@ -359,13 +359,15 @@ def stored_block_weights(parts: list[GGMLWeights]):
         qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
         d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
     m = None if kind in ("q6_k", "q3_k", "q2_k", "q8_0_r8", "iq4_nl_r8", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
-    qh = None
-    if kind in ("q5_1", "q5_k"):  # a block's fifth bits in 32 bytes per 8 outputs (4-bit parts: 0)
+    qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" and not k_r8 else None  # 4-bit parts: fifth bits 0
+    if kind == "q5_1" or (kind == "q5_k" and k_r8):  # interleaved: a block's fifth bits in 32 bytes per 8 outputs
         qh = torch.zeros(groups, nb, 32, dtype=torch.uint8)
     sc = mq = q2 = None
     if k_r8:
         m = make(groups, nsb, 8, dtype=torch.float16)  # the super-blocks' −dmin
         sc, mq = make(groups, nb, 8, dtype=torch.uint8), make(groups, nb, 8, dtype=torch.uint8)
+    elif kind in ("q4_k", "q5_k"):
+        sc, mq = torch.empty(n, nb, dtype=torch.uint8), torch.empty(n, nb, dtype=torch.uint8)
     elif q6_r8:
         sc, q2 = make(groups, nb, 16, dtype=torch.int8), make(groups, nb, 64, dtype=torch.uint8)
     elif kind == "iq4_xs":
@@ -400,6 +402,9 @@ def stored_block_weights(parts: list[GGMLWeights]):
         return block_gemm.BlockWeights(kind, qs, d, None, n, k, sc=sc, q2=q2)
     if k_r8:
         return block_gemm.BlockWeights(kind + "_r8", qs, d, mq, n, k, qh, sc, m, count=torch.tensor([n], dtype=torch.int64))
+    if kind in ("q4_k", "q5_k"):
+        return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(mq), n, k, qh, sc,
+                                       block_gemm.block_minima(m))
     if interleaved:  # Q4_0 / Q5_0 alone keep no minima: w = d·(q − 8) / d·(q − 16)
         plain = only_q4_0 or only_q5_0
         name = ("q4_0_r8" if only_q4_0 else "q4_1_r8") if kind == "q4_1" else ("q5_0_r8" if only_q5_0 else "q5_1_r8")
@@ -408,17 +413,22 @@ def stored_block_weights(parts: list[GGMLWeights]):
     return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 
 
-def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None):
+def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None, interleave_k: bool | None = None):
     """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): parts of the
     types the block kernel runs (`BLOCK_KERNEL_TYPES`: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS) on it, a run of
     parts per layout (repacked once, `block_kernel_kind`), a matrix with any other part (F16,
     BF16) on ggml's kernels over the file's bytes. A type neither runs is refused by name, never
     densified. block_kernel: whether the block kernel runs
-    here (the backend's `block_kernel`; None: whether it is built)."""
+    here (the backend's `block_kernel`; None: whether it is built); interleave_k: whether Q4_K / Q5_K
+    take their interleaved layouts (the backend's `interleaved_k_quants`; None: its rule)."""
     from forklm.kernels import ggml_gemm
 
     if block_kernel is None:
         block_kernel = block_kernel_available()
+    if interleave_k is None:
+        from forklm.backend import k_quants_interleaved
+
+        interleave_k = k_quants_interleaved()
 
     kinds = {p.type_name for p in parts}
     if block_kernel and all(block_kernel_kind([p.type_name]) is not None for p in parts):
@@ -429,7 +439,7 @@ def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None):
             else:
                 runs.append([p])
         try:
-            packed = [stored_block_weights(run) for run in runs]
+            packed = [stored_block_weights(run, interleave_k) for run in runs]
         except ValueError:  # a Q4_0 / Q5_0 scale whose minimum overflows float16: ggml's kernel instead
             packed = None
         if packed is not None:
@@ -620,7 +630,7 @@ def build_matrix(parts: list, how: str, backend: Backend):
     dtype, device = backend.dtype, backend.device
     if any(isinstance(p, GGMLWeights) for p in parts):
         if how == "gguf" and backend.quantized_kernels:
-            return stored_matrix(parts, backend.block_kernel)
+            return stored_matrix(parts, backend.block_kernel, backend.interleaved_k_quants)
         parts = [p.dequantize() if isinstance(p, GGMLWeights) else p for p in parts]
     if all(isinstance(p, BlockQuantized) for p in parts):
         w = BlockQuantized.cat(parts) if len(parts) > 1 else parts[0]
