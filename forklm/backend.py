@@ -91,10 +91,11 @@ def k_quants_interleaved() -> bool:
     its AVX512-VNNI build, whose two-group 512-bit tiles ran a 1B Q4_K_M file's Q4_K products 1.5x the plain
     layout's at 8-32 rows (2026-11-28, Cascade Lake Xeon, by hand); the AVX2 build keeps the plain layout
     (`tile_k`), 1.14x faster there at 32 rows and level at 8 (the same Xeon, the AVX2 build, by hand; the
-    interleaved Q4_K was slower at 4-32 rows on an AVX2 EPYC too, 2026-11-27). Q6_K is interleaved on both."""
+    interleaved Q4_K was slower at 4-32 rows on an AVX2 EPYC too, 2026-11-27). Q6_K is interleaved on both.
+    The build that loaded decides (a VNNI build that failed to compile leaves the AVX2 one)."""
     from forklm.kernels import block_gemm
 
-    return block_kernel_available() and block_gemm.uses_vnni()
+    return block_kernel_available() and block_gemm.LOADED_BUILDS.get("forklm_block_gemm") == "AVX512-VNNI"
 
 
 def quantized_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:

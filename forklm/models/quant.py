@@ -320,7 +320,7 @@ def block_kernel_kind(type_names) -> str | None:
     return {frozenset({"q4_1", "q5_1"}): "q5_1", frozenset({"q4_k", "q5_k"}): "q5_k"}.get(frozenset(kinds))
 
 
-def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool = True):
+def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool | None = None):
     """GGUF parts fused along `out`, in the block kernel's layout (`block_kernel_kind`,
     `block_gemm.BlockWeights`), repacked from the stored bytes in one C++ pass (`repack_rows`): every
     value as stored. Q4_0 / Q4_1 / Q5_0 / Q5_1 keep GGUF's nibbles (value j in the low nibble of byte j,
@@ -328,7 +328,8 @@ def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool = True):
     interleaved (`block_gemm.interleave_r8`'s layouts, written directly by the pass); Q4_0 / Q5_0 alone keep no minima (−8d / −16d applied in
     integers), beside Q4_1 / Q5_1 parts they take minimum −8d / −16d (exact; ValueError where the minimum
     overflows float16); Q4_K / Q5_K values take Q4_1's nibble order, 8 outputs interleaved
-    (q4_k_r8 / q5_k_r8) where `interleave_k` (the backend's `interleaved_k_quants`, else q4_k / q5_k), with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against
+    (q4_k_r8 / q5_k_r8) where `interleave_k` (the backend's `interleaved_k_quants`; None: its rule
+    `k_quants_interleaved`), else q4_k / q5_k, with their 6-bit scales and minima a byte each (4.6 / 5.6 bits a weight against
     the file's 4.5 / 5.5); Q6_K's low nibbles as Q4_1's and its 2 high bits in planes of their own, 8 outputs
     interleaved (q6_k_r8, 6.56 bits a weight as the file); Q3_K's and Q2_K's
     2-bit fields and Q3_K's third-bit masks as stored, Q3_K's scales an int8 per 16 (3.56 bits a weight
@@ -339,6 +340,10 @@ def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool = True):
     kind = block_kernel_kind([p.type_name for p in parts])
     if kind is None:
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
+    if interleave_k is None:
+        from forklm.backend import k_quants_interleaved
+
+        interleave_k = k_quants_interleaved()
     n, k = sum(p.n for p in parts), parts[0].k
     nb, nsb = k // 32, k // 256
     only_q4_0 = all(p.type_name == "Q4_0" for p in parts)

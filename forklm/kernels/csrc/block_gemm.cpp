@@ -1868,7 +1868,8 @@ constexpr bool r8_has_minima(int L) { return L == R8_Q4_1 || L == R8_Q5_1 || r8_
 constexpr bool r8_has_fifth_bits(int L) { return L == R8_Q5_0 || L == R8_Q5_1 || L == R8_Q5_K; }
 constexpr int64_t r8_block_bytes(int L) { return L == R8_Q8_0 ? R8_Q8_BLOCK_BYTES : R8_BLOCK_BYTES; }
 
-// The arrays of interleaved weights with G groups of 8 outputs and nb blocks (qh: Q5 layouts only, m:
+// The arrays of interleaved weights with G groups of 8 outputs and nb blocks (qh: Q5 layouts' fifth bits, Q6_K's
+// bits 4-5 [G, nb, 64] (with its int8 scales sc [G, nb, 16]), m:
 // Q4_1 / Q5_1 / K only; the K layouts' d and m per super-block of 8 blocks, their sc and mq a byte per block),
 // as `gemm_r8` and `dequantize_rows_r8` read them.
 void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
@@ -1907,7 +1908,8 @@ void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, co
 }
 
 // L: the layout (q4_0_r8, iq4_nl_r8, q8_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m;
-// q4_k_r8: qs, d (ds), m (dm), sc, mq; q5_k_r8: and qh). count: int64 [1] holding N (the last group may be padded).
+// q4_k_r8: qs, d (ds), m (dm), sc, mq; q5_k_r8: and qh; q6_k_r8: qs, qh (bits 4-5), d (ds), sc (int8 per 16)).
+// count: int64 [1] holding N (the last group may be padded).
 template <int L>
 torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& qh, const torch::Tensor& d,
                       const torch::Tensor& m, const torch::Tensor& count, int64_t mode_in,
@@ -2277,8 +2279,6 @@ void repack_k_row(bool five, const uint8_t* src, int64_t nsb, uint8_t* qs, uint1
   if (qh != nullptr) arrange_high_bits_row(qh, nsb * 8);
 }
 
-// one row of Q6_K super-blocks (256 values: 128 bytes of low nibbles, 64 of 2-bit pairs, 16 int8
-// scales, d), as ggml's dequantize_row_q6_K reads them: values q + 32 in 0..63
 // One Q6_K super-block's 256 values q + 32 (0..63) in order.
 inline void q6_values(const uint8_t* x, uint8_t* v) {
   for (int half = 0; half < 2; ++half) {
@@ -2293,6 +2293,8 @@ inline void q6_values(const uint8_t* x, uint8_t* v) {
   }
 }
 
+// one row of Q6_K super-blocks (256 values: 128 bytes of low nibbles, 64 of 2-bit pairs, 16 int8
+// scales, d), as ggml's dequantize_row_q6_K reads them: values q + 32 in 0..63
 void repack_q6_k_row(const uint8_t* src, int64_t nsb, uint8_t* qs, uint8_t* q2, uint16_t* ds, int8_t* sc) {
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* x = src + s * 210;
@@ -2521,8 +2523,8 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   const bool k_r8 = r8 && (type == Stored::Q4_K || type == Stored::Q5_K);
   const bool q6_r8 = r8 && type == Stored::Q6_K;  // q2 the bits 4-5 [G, K/32, 64], sc int8 [G, K/32, 16]
   TORCH_CHECK(!r8 || signed8 || k_r8 || q6_r8 || ((type == Stored::Q4_0 || type == Stored::Q4_1 || five) && m.has_value() && m->dim() == 2),
-              "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 (with their minima m [N, K/32]), Q8_0, IQ4_NL, Q4_K and Q5_K blocks "
-              "repack interleaved");
+              "repack: only Q4_0 / Q4_1 / Q5_0 / Q5_1 (with their minima m [N, K/32]), Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K "
+              "blocks repack interleaved");
   TORCH_CHECK(r8 || type != Stored::Q8_0, "repack: Q8_0 blocks repack interleaved only");
   TORCH_CHECK(!r8 || outputs >= 0, "repack: interleaved blocks need the output count");
   if ((r8 ? outputs : qs.size(0)) == 0) {
@@ -2720,8 +2722,9 @@ torch::Tensor dense_rows(const torch::Tensor& x_in, const torch::Tensor& w_in) {
 // Rows `ids` of weights in an interleaved layout (`gemm_r8`'s arrays), float32 [R, K]: an embedding
 // lookup in a table the LM head reads. Each value as block_gemm.py's `dequantize_rows` forms it (the
 // arithmetic of gguf's numpy dequantization): w = float(q)·d, then + m where the layout has minima
-// (Q4_1 / Q5_1: the stored m; Q4_0 / Q5_0: m = −8d / −16d), q the 4- or 5-bit value, IQ4_NL's level
-// or Q8_0's int8. Reads only the rows' lanes (a decode step looks up one row per sample: the same
+// (Q4_1 / Q5_1: the stored m; Q4_0 / Q5_0: m = −8d / −16d; Q4_K / Q5_K: d = ds·sc, m = dm·mq, each exact),
+// q the 4- or 5-bit value, IQ4_NL's level or Q8_0's int8; Q6_K: w = float(q − 32)·(ds·sc), sc the value's 16's.
+// Reads only the rows' lanes (a decode step looks up one row per sample: the same
 // lookup as tensor operations cost 80-260 µs a step).
 torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const std::optional<torch::Tensor>& qh_in,
                                  const torch::Tensor& d, const std::optional<torch::Tensor>& m_in, int64_t n,
@@ -2853,7 +2856,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows_r8", &dequantize_rows_r8,
         "rows ids of interleaved weights (layout: 0 q4_0_r8, 1 q4_1_r8, 2 q5_0_r8, 3 q5_1_r8, 4 q8_0_r8, 5 iq4_nl_r8, "
-        "6 q4_k_r8, 7 q5_k_r8; qs, qh, d, m (K layouts: ds, dm; sc, mq) as gemm_r8 takes them, n outputs) as float32 [len(ids), K]",
+        "6 q4_k_r8, 7 q5_k_r8, 8 q6_k_r8; qs, qh, d, m (Q4_K / Q5_K: ds, dm, then sc, mq; Q6_K: qh its bits 4-5 [G, nb, 64], "
+        "d ds, m None, sc int8 [G, nb, 16], mq None) as gemm_r8 takes them, n outputs) as float32 [len(ids), K]",
         py::arg("layout"), py::arg("qs"), py::arg("qh"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("ids"),
         py::arg("sc") = py::none(), py::arg("mq") = py::none());
   m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
