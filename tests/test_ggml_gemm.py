@@ -144,7 +144,7 @@ def test_bad_shapes_are_clear_errors():
 def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
     """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / K-quant bytes repacked once for forklm's block kernel
     (quant.stored_block_weights: Q4_0 / Q5_0 as Q4_1 / Q5_1 blocks with minimum −8d / −16d; Q4_K /
-    Q5_K values in Q4_1's order, their 6-bit scales a byte each; Q2_K / Q3_K's 2-bit fields and Q3_K's
+    Q5_K values in Q4_1's order, their 6-bit scales a byte each, plain and interleaved; Q6_K interleaved; Q2_K / Q3_K's 2-bit fields and Q3_K's
     third-bit masks as stored, a scale per 16; IQ4_NL's and IQ4_XS's nibbles as stored, IQ4_XS's scales a
     byte per 32) hold the values gguf's numpy
     dequantization gives, bit for bit, fused parts of mixed types and a permuted row order included;
@@ -160,15 +160,24 @@ def test_block_kernel_repack_of_stored_bytes_matches_gguf_numpy(types, k):
         parts.append(ggml_gemm.GGMLWeights(rows, t, n, k, row_order=order))
         values = gguf_dequantize(rows, t)
         want.append(values if order is None else values[order])
-    w = quant.stored_block_weights(parts)
     kind = quant.block_kernel_kind(types)
     if kind in ("q4_1", "q5_1"):  # run interleaved, Q4_0 / Q5_0 alone without minima
         alone = {"q4_1": "Q4_0", "q5_1": "Q5_0"}[kind]
         kind = kind[:3] + ("0_r8" if set(types) == {alone} else "1_r8")
-    assert w.kind == kind
-    assert torch.equal(w.dequantize(), torch.cat(want))
-    x = torch.randn(5, k, generator=gen)
-    assert ((block_gemm.gemm(x, w) - block_gemm.gemm_reference(x, w)).norm() / block_gemm.gemm_reference(x, w).norm()) < 1e-5
+    elif kind == "q6_k":  # interleaved on every build
+        kind = "q6_k_r8"
+    # Q4_K / Q5_K: interleaved where the backend's rule says (the VNNI build), else plain; both layouts here
+    for interleave in ((None, False, True) if kind in ("q4_k", "q5_k") else (None,)):
+        w = quant.stored_block_weights(parts, interleave_k=interleave)
+        if interleave is None:
+            from forklm.backend import k_quants_interleaved
+
+            interleave = kind in ("q4_k", "q5_k") and k_quants_interleaved()
+        assert w.kind == (kind + "_r8" if interleave else kind)
+        assert torch.equal(w.dequantize(), torch.cat(want))
+        x = torch.randn(5, k, generator=gen)
+        ref = block_gemm.gemm_reference(x, w)
+        assert ((block_gemm.gemm(x, w) - ref).norm() / ref.norm()) < 1e-5
 
 
 def test_the_repack_refuses_a_row_order_outside_the_stored_rows():
