@@ -363,7 +363,7 @@ def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool | None = N
     else:
         qs = torch.empty(n, k // 4 if two_bit else k // 2, dtype=torch.uint8)
         d = torch.empty(n, 2 * nsb if kind == "q2_k" else nsb if k_quant else nb, dtype=torch.float16)
-    m = None if kind in ("q6_k", "q3_k", "q2_k", "q8_0_r8", "iq4_nl_r8", "iq4_xs") else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
+    m = None if kind in ("q6_k", "q3_k", "q2_k", "q8_0_r8", "iq4_nl_r8", "iq4_xs") or k_r8 else torch.empty(n, nsb if k_quant else nb, dtype=torch.float16)
     qh = torch.zeros(n, nb, dtype=torch.int32) if kind == "q5_k" and not k_r8 else None  # 4-bit parts: fifth bits 0
     if kind == "q5_1" or (kind == "q5_k" and k_r8):  # interleaved: a block's fifth bits in 32 bytes per 8 outputs
         qh = torch.zeros(groups, nb, 32, dtype=torch.uint8)
