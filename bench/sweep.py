@@ -388,7 +388,7 @@ def run_sweep(llm: Any, cfg: SweepConfig, ceilings: Ceilings, hf: TransformersRu
 # ---------------------------------------------------------------------- output
 # environment variables that pick instruction sets (recorded beside a run's numbers)
 ISA_ENVIRONMENT = ("FORKLM_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-                   "FORKLM_BLOCK_KERNEL_VNNI", "FORKLM_LLAMA_CPP_BIN")
+                   "FORKLM_BLOCK_KERNEL_VNNI", "FORKLM_BLOCK_KERNEL_AMX", "FORKLM_LLAMA_CPP_BIN")
 def build_meta(args: argparse.Namespace, llm: Any, cfg: SweepConfig, ceilings: Ceilings,
                hf_version: str | None, hf_error: str | None, llama_cpp: Any = None) -> dict:
     dev = llm.device

@@ -12,7 +12,7 @@ import torch
 
 from forklm.device import cpu_flags, cpu_model
 
-FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
+FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
 def kernels_report() -> dict[str, str]:
@@ -23,7 +23,11 @@ def kernels_report() -> dict[str, str]:
     def state(err: str | None, built: str = "built") -> str:
         return built if err is None else f"not available: {err}"
 
-    block = state(block_gemm.build_error(), f"built ({block_gemm.LOADED_BUILDS.get('forklm_block_gemm', '?')})")
+    build = block_gemm.LOADED_BUILDS.get("forklm_block_gemm", "?") if block_gemm.build_error() is None else "?"
+    if build == "AVX512-VNNI" and block_gemm.cpu_has_amx():
+        build += (f", AMX tiles from {block_gemm._extension().AMX_MIN_ROWS} rows" if block_gemm.uses_amx()
+                  else ", AMX tiles off (FORKLM_BLOCK_KERNEL_AMX=0 or Linux refused the tile data)")
+    block = state(block_gemm.build_error(), f"built ({build})")
     return {
         "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)": block,
         "ggml dot products (every other GGUF type)": state(ggml_gemm.build_error(), f"built ({ggml_gemm.ggml_dir()})"),

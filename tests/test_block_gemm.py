@@ -3,6 +3,7 @@ against the slow, obvious reference; batch invariance; how the default model use
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -680,6 +681,54 @@ def test_vnni_build_equals_the_avx2_build_bit_for_bit(kind):
             b = getattr(vnni, fn)(x, *args, mode, nw, 1e-5, r)
             assert torch.equal(a, b), (t, mode)
         assert torch.equal(bg.gemm(x, w), getattr(avx2, fn)(x, *args, bg.PLAIN, None, 0.0, None))
+
+
+AMX_KINDS = [k for k in bg.R8_KINDS if k != "q6_k_r8"]  # Q6_K (scales per 16) keeps the vector tiles
+
+
+@pytest.mark.skipif(not (bg.cpu_has_amx() and bg.uses_vnni()), reason="this CPU has no AMX-INT8 (or no AVX512-VNNI)")
+@pytest.mark.parametrize("kind", AMX_KINDS)
+def test_amx_tiles_equal_the_vector_tiles_bit_for_bit(kind):
+    """On a CPU with AMX-INT8 the VNNI build runs products of AMX_MIN_ROWS rows or more on the tile unit:
+    every product, plain and fused (RMSNorm prologue, residual), equals the vector tiles' bit for bit, at
+    row counts around the 16-row tiles (padding rows) and with an odd last group of 8 outputs (it stays on
+    the vector tiles), and against the slow reference."""
+    ext = bg._extension()
+    assert ext.amx_supported(), "an AMX-INT8 CPU whose block kernel cannot use the tiles (Linux refused them?)"
+    assert bg.uses_amx()
+    k = 768 if kind in K_KINDS else 640
+    try:
+        for n in (197, 16, 40):
+            w = random_weights(kind, n, k, seed=n)
+            args = w.kernel_arrays()
+            fn = getattr(ext, f"gemm_{kind}")
+            for t in (1, ext.AMX_MIN_ROWS, 5, 16, 17, 33):
+                x, res, nw = torch.randn(t, k) * 3, torch.randn(t, n), torch.rand(k) + 0.5
+                for mode, norm, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, nw, res)):
+                    ext.set_amx(False)
+                    vector = fn(x, *args, mode, norm, 1e-5, r)
+                    ext.set_amx(True)
+                    tiles = fn(x, *args, mode, norm, 1e-5, r)
+                    assert torch.equal(tiles, vector), (n, t, mode)
+                    assert tiles.isfinite().all()
+            x = torch.randn(21, k)
+            assert rel_err(bg.gemm(x, w), bg.gemm_reference(x, w)) < 1e-5
+    finally:
+        ext.set_amx(True)
+
+
+def test_amx_switch_follows_the_environment():
+    """FORKLM_BLOCK_KERNEL_AMX=0 turns the tiles off in a new process; elsewhere they run exactly where the
+    CPU has AMX-INT8 and the VNNI build loaded."""
+    import subprocess
+    import sys
+
+    code = "from forklm.kernels import block_gemm as b; print(b.available(), b.uses_amx())"
+    for value, want_amx in (("0", False), ("1", bg.cpu_has_amx() and bg.uses_vnni())):
+        env = dict(os.environ, FORKLM_BLOCK_KERNEL_AMX=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        available, amx = out.split()
+        assert available == "True" and amx == str(want_amx), (value, out)
 
 
 @pytest.mark.parametrize("kind", KINDS)

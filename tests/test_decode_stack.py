@@ -10,6 +10,7 @@ import torch
 from conftest import native_kernels_expected
 
 from forklm.attention.paged import PagedAttention
+from forklm.kernels import block_gemm as bg
 from forklm.kernels import decode_stack
 
 # skipped only where the kernels cannot run (the CPU, torch's OpenMP); on a CPU that should build
@@ -235,6 +236,29 @@ def test_default_model_samples_the_same_on_the_stack(monkeypatch, smollm2_gguf):
     for a, b in zip(got[True], got[False]):
         assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
         assert [s.logprobs for s in a.samples] == [s.logprobs for s in b.samples]
+
+
+@pytest.mark.skipif(not (bg.cpu_has_amx() and bg.uses_vnni()), reason="this CPU has no AMX-INT8 (or no AVX512-VNNI)")
+def test_samples_on_amx_tiles_equal_the_vector_tiles(smollm2_gguf):
+    """SmolLM2's file (Q4_1 layers, a Q8_0 head), 8 samples a step on the stack and the head on the block
+    kernel: with the AMX tiles on (both modules) the tokens and log-probabilities of the vector tiles."""
+    from forklm import LLM
+
+    llm = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
+    assert llm.model._decode_stack is not None or decode_stack.unsupported_reason(llm.model) is None
+    got = {}
+    try:
+        for on in (False, True):
+            bg._extension().set_amx(on)
+            decode_stack._extension().set_amx(on)
+            assert bg.uses_amx() == on and decode_stack._extension().amx_enabled() == on
+            out = llm.sample("def quicksort(xs):\n    ", n=8, max_tokens=12, temperature=0.9, top_p=0.95, seed=5,
+                             attention="bifurcated")
+            got[on] = [(s.token_ids, s.logprobs) for s in out.samples]
+    finally:
+        bg._extension().set_amx(True)
+        decode_stack._extension().set_amx(True)
+    assert got[True] == got[False]
 
 
 def test_models_off_the_block_kernel_get_no_stack():

@@ -120,6 +120,23 @@ def uses_vnni() -> bool:
 
 LOADED_BUILDS: dict[str, str] = {}  # name -> the build that loaded ("AVX512-VNNI" or "AVX2")
 
+# AMX-INT8 (Intel Sapphire Rapids and later): the VNNI build runs the interleaved layouts' products of
+# `AMX_MIN_ROWS` rows or more (but Q6_K's) on the tile unit, the same integers and float chains as its
+# vector tiles, so the same bits (csrc/block_gemm.cpp, "AMX tiles"). FORKLM_BLOCK_KERNEL_AMX=0 turns them off.
+AMX_CPU_FLAGS = ("amx_tile", "amx_int8")
+
+
+def cpu_has_amx() -> bool:
+    return all(f in cpu_flags() for f in AMX_CPU_FLAGS)
+
+
+def uses_amx() -> bool:
+    """Whether the block kernel runs products on AMX tiles here: its VNNI build loaded, the CPU has
+    AMX-INT8, Linux lets the process use the tile data, and FORKLM_BLOCK_KERNEL_AMX is not 0."""
+    if not available() or LOADED_BUILDS.get("forklm_block_gemm") != "AVX512-VNNI":
+        return False
+    return bool(_extension().amx_enabled())
+
 
 def load_block_kernel_build(name: str, source: Path):
     """A source holding the block kernel, built as `name_vnni` with AVX512-VNNI where `uses_vnni`

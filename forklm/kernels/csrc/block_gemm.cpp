@@ -33,10 +33,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "simd_math.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1907,6 +1913,196 @@ void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, co
                 "interleaved fifth bits qh must be contiguous uint8 [", G, ", ", nb, ", 32]");
 }
 
+// ------------------------------------------------------------------------------------------ AMX tiles
+// On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the VNNI build runs the interleaved layouts'
+// products of AMX_MIN_ROWS rows or more on the tile unit: per pair of groups (16 outputs) and block of 32,
+// one tdpbsud (tdpbssd for the signed layouts) gives 16 rows x 16 outputs of Σ q_x·q_w in int32, the same
+// integers `tile_r8_x2` / `tile_r8_signed_x2` sum with vpdpbusd, and each (output, row)'s float chain over
+// the blocks is theirs lane for lane: so the same bits at every row count (tests: AMX on = off). Q6_K
+// (scales per 16 values) keeps the vector tiles. The weights of a pair are unpacked once a call into B
+// tiles (8 rows of 64 bytes a block: row r the 16 outputs' values 4r..4r+3, output j at 4j), which every
+// tile of 16 rows then reads; rows past T read zero activations and are not stored.
+// FORKLM_BLOCK_KERNEL_AMX=0 turns the tiles off (`set_amx` in a process, for the tests and A/B runs).
+#if FORKLM_VNNI && defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define FORKLM_AMX 1
+#else
+#define FORKLM_AMX 0
+#endif
+constexpr int64_t AMX_MIN_ROWS = 4;
+
+#if FORKLM_AMX
+#define FORKLM_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
+
+// AMX-TILE and AMX-INT8 in cpuid, and Linux's leave for this process to use the tile data (once).
+bool amx_supported() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+std::atomic<int> amx_switch{-1};  // -1: not read yet; 0: off; 1: on
+
+bool amx_on() {
+  int s = amx_switch.load(std::memory_order_relaxed);
+  if (s < 0) {
+    const char* e = std::getenv("FORKLM_BLOCK_KERNEL_AMX");
+    s = (e == nullptr || std::strcmp(e, "0") != 0) && amx_supported() ? 1 : 0;
+    amx_switch.store(s, std::memory_order_relaxed);
+  }
+  return s == 1;
+}
+
+// tmm0 / tmm1: C, 16 rows x 16 int32; tmm2 / tmm4: A, 16 rows x 32 bytes; tmm3 / tmm5: B, 8 rows x 64 bytes
+// (two sets, so that one block's product runs while the previous one's sums are scaled).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+FORKLM_AMX_TARGET inline void amx_configure() {
+  TileConfig c;
+  c.rows[0] = c.rows[1] = 16, c.colsb[0] = c.colsb[1] = 64;
+  c.rows[2] = c.rows[4] = 16, c.colsb[2] = c.colsb[4] = 32;
+  c.rows[3] = c.rows[5] = 8, c.colsb[3] = c.colsb[5] = 64;
+  asm volatile("" : : "r"(&c) : "memory");  // the whole config in memory (ldtilecfg's operand names 8 bytes)
+  _tile_loadconfig(&c);
+}
+
+// Groups g and g + 1's blocks as B tiles, 512 bytes a block (`out`): the values `tile_r8_x2` /
+// `tile_r8_signed_x2` form for vpdpbusd (the fifth bits ORed in, IQ4_NL's levels looked up), as rows.
+template <int L>
+FORKLM_AMX_TARGET void amx_b_tiles(const uint8_t* wq, const uint8_t* wh, int64_t nb, uint8_t* out) {
+  constexpr bool H5 = r8_has_fifth_bits(L), NL = L == R8_IQ4_NL;
+  constexpr int64_t BYTES = r8_block_bytes(L);
+  const int64_t next = nb * BYTES;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i levels = _mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4nl_levels()));
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * BYTES;
+    uint8_t* o = out + b * 512;
+    for (int64_t i = 0; i < BYTES; i += 64) prefetch_ahead(w, R8_PREFETCH_BYTES + i), prefetch_ahead(w + next, R8_PREFETCH_BYTES + i);
+    if constexpr (L == R8_Q8_0) {
+      for (int r = 0; r < 8; ++r) _mm512_storeu_si512(o + 64 * r, load_halves(w + 32 * r, w + next + 32 * r));
+    } else {
+      __m512i fifth = _mm512_setzero_si512();
+      if constexpr (H5) fifth = load_halves(wh + b * 32, wh + (nb + b) * 32);
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = load_halves(w + 32 * j, w + next + 32 * j);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (H5) {
+          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), bit4));
+          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), bit4));
+        }
+        if constexpr (NL) lo = _mm512_shuffle_epi8(levels, lo), hi = _mm512_shuffle_epi8(levels, hi);
+        _mm512_storeu_si512(o + 64 * j, lo);
+        _mm512_storeu_si512(o + 64 * (4 + j), hi);
+      }
+    }
+  }
+}
+
+// What `amx_pairs` reads: `gemm_r8`'s arrays (group 0's pointers), the quantized rows (xq: T16 rows, those
+// past T zero) and their scales, and y.
+struct AmxProduct {
+  const uint8_t *wq, *wh, *wsc, *wmq;
+  const uint16_t *wd, *wm;
+  const int8_t* xq;
+  const float *dx, *sx, *rp;
+  const int32_t* xs;
+  float* yp;
+  int64_t T, K, nb, n;
+};
+
+// Pairs [p0, p1) of groups (outputs 16·p0 ..) times every row: tiles of 16 rows, a block's product
+// (slot 0 or 1: C tmm0 / tmm1, A tmm2 / tmm4, B tmm3 / tmm5) issued before the previous block's scaling.
+template <int L>
+FORKLM_AMX_TARGET void amx_pairs(const AmxProduct& a, int64_t p0, int64_t p1) {
+  constexpr bool MIN = r8_has_minima(L), H5 = r8_has_fifth_bits(L), KS = r8_has_k_scales(L);
+  constexpr bool SIGNED = L == R8_Q8_0 || L == R8_IQ4_NL;
+  constexpr int32_t OFFSET = H5 ? 16 : 8;
+  const int64_t nb = a.nb, K = a.K, T = a.T, n = a.n;
+  const int64_t sblocks = KS ? nb / 8 : nb, group_bytes = nb * r8_block_bytes(L);
+  thread_local std::vector<uint8_t> tiles;
+  tiles.resize(static_cast<size_t>(nb) * 512);
+  alignas(64) int32_t sums[2][256];
+  amx_configure();
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t g = 2 * p;
+    amx_b_tiles<L>(a.wq + g * group_bytes, H5 ? a.wh + g * nb * 32 : nullptr, nb, tiles.data());
+    asm volatile("" : : : "memory");  // the B tiles stored before tileloadd (whose asm names no memory) reads them
+    const uint16_t* wd = a.wd + g * sblocks * 8;
+    const uint16_t* wm = MIN ? a.wm + g * sblocks * 8 : nullptr;
+    const uint8_t* wsc = KS ? a.wsc + g * nb * 8 : nullptr;
+    const uint8_t* wmq = KS ? a.wmq + g * nb * 8 : nullptr;
+    const uint8_t* bt = tiles.data();
+    for (int64_t t0 = 0; t0 < T; t0 += 16) {
+      const int8_t* xa = a.xq + t0 * K;
+      const int live = static_cast<int>(std::min<int64_t>(16, T - t0));
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#define FORKLM_AMX_ISSUE(C, A, B, blk)                                           \
+  do {                                                                           \
+    _tile_loadd(A, xa + (blk) * QK, K);                                          \
+    _tile_loadd(B, bt + (blk) * 512, 64);                                        \
+    _tile_zero(C);                                                               \
+    if constexpr (SIGNED) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);     \
+    _tile_stored(C, sums[(blk) & 1], 64);                                        \
+  } while (0)
+      FORKLM_AMX_ISSUE(0, 2, 3, 0);
+      for (int64_t b = 0; b < nb; ++b) {
+        if (b + 1 < nb) {
+          if ((b + 1) & 1) FORKLM_AMX_ISSUE(1, 4, 5, b + 1);
+          else FORKLM_AMX_ISSUE(0, 2, 3, b + 1);
+        }
+        const int32_t* s = sums[b & 1];
+        const __m512 d16 = r8_block_scales_x2<KS>(wd, wsc, b, nb, sblocks);
+        __m512 m16 = _mm512_setzero_ps();
+        if constexpr (MIN) m16 = r8_block_scales_x2<KS>(wm, wmq, b, nb, sblocks);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          if (i >= live) break;
+          const int64_t t = t0 + i;
+          __m512i sum = _mm512_load_si512(s + 16 * i);
+          if constexpr (!MIN && !SIGNED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET * a.xs[t * nb + b]));
+          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(a.dx[t * nb + b])), _mm512_cvtepi32_ps(sum), acc[i]);
+          if constexpr (MIN) acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(a.sx[t * nb + b]), acc[i]);
+        }
+      }
+#undef FORKLM_AMX_ISSUE
+      const int64_t o = g * 8, outs = std::min<int64_t>(16, n - o);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        if (i >= live) break;
+        const int64_t t = t0 + i;
+        float* yo = a.yp + t * n + o;
+        if (outs == 16) {
+          __m512 v = acc[i];
+          if (a.rp != nullptr) v = _mm512_add_ps(_mm512_loadu_ps(a.rp + t * n + o), v);
+          _mm512_storeu_ps(yo, v);
+        } else {
+          alignas(64) float lanes[16];
+          _mm512_store_ps(lanes, acc[i]);
+          for (int64_t j = 0; j < outs; ++j) yo[j] = a.rp != nullptr ? a.rp[t * n + o + j] + lanes[j] : lanes[j];
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+void set_amx(bool on) { amx_switch.store(on && amx_supported() ? 1 : 0, std::memory_order_relaxed); }
+#else
+bool amx_supported() { return false; }
+bool amx_on() { return false; }
+void set_amx(bool) {}
+#endif
+
 // L: the layout (q4_0_r8, iq4_nl_r8, q8_0_r8: qs, d; q4_1_r8: qs, d, m; q5_0_r8: qs, qh, d; q5_1_r8: qs, qh, d, m;
 // q4_k_r8: qs, d (ds), m (dm), sc, mq; q5_k_r8: and qh; q6_k_r8: qs, qh (bits 4-5), d (ds), sc (int8 per 16)).
 // count: int64 [1] holding N (the last group may be padded).
@@ -1941,10 +2137,11 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
     half_block_sums(buf.q.data(), T * nb, xs.data());
   else if constexpr (!MIN && !SIGNED)
     block_sums(buf.q.data(), T * nb, xs.data());
-  // The VNNI build's signed tiles read x + 128 as unsigned bytes (`vpdpbusd` multiplies unsigned by
-  // signed; |x| <= 127, so x + 128 is 1..255: the top bit flipped) and take 128·Σ w back out per block.
-  if constexpr (SIGNED && FORKLM_VNNI)
-    for (int8_t& v : buf.q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
+  // AMX: pairs of groups on the tile unit (`amx_pairs`), the rows padded with zeros to a multiple of 16;
+  // a last odd group on the vector tiles below
+  const bool amx = FORKLM_AMX && !Q6 && T >= AMX_MIN_ROWS && G >= 2 && amx_on();
+  const int64_t amx_groups = amx ? G / 2 * 2 : 0;
+  if (amx) buf.q.resize((T + 15) / 16 * 16 * K);  // (resize value-initializes: the padding rows are zeros)
   const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = MIN ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
@@ -1972,9 +2169,20 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
     _mm256_storeu_ps(lanes, a);
     for (int64_t i = 0; i < live; ++i) yo[i] = rp != nullptr ? rp[t * n + o + i] + lanes[i] : lanes[i];
   };
+#if FORKLM_AMX
+  if (amx) {
+    const AmxProduct a{wq, wh, wsc, wmq, wd, wm, buf.q.data(), dx, sx, rp, xsp, yp, T, K, nb, n};
+    at::parallel_for(0, amx_groups / 2, 1, [&](int64_t p0, int64_t p1) { amx_pairs<L>(a, p0, p1); });
+    if (amx_groups == G) return y;
+  }
+#endif
+  // The VNNI build's signed tiles read x + 128 as unsigned bytes (`vpdpbusd` multiplies unsigned by
+  // signed; |x| <= 127, so x + 128 is 1..255: the top bit flipped) and take 128·Σ w back out per block.
+  if constexpr (SIGNED && FORKLM_VNNI)
+    for (int64_t i = 0; i < T * K; ++i) buf.q[i] = static_cast<int8_t>(static_cast<uint8_t>(buf.q[i]) ^ 0x80u);
   // threads split the groups; a chunk of groups stays in cache while every tile of rows passes it
   constexpr int64_t GROUPS_PER_CHUNK = ROWS_PER_CHUNK / 8;
-  at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(amx_groups, G, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t c0 = g0; c0 < g1; c0 += GROUPS_PER_CHUNK) {
       const int64_t c1 = std::min(g1, c0 + GROUPS_PER_CHUNK);
       const auto rows = [&](auto tile_rows, int64_t t) {
@@ -2803,6 +3011,10 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
 
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_supported", &amx_supported, "whether this build runs AMX tiles on this CPU (AMX-INT8, Linux's leave)");
+  m.def("amx_enabled", &amx_on, "whether products of AMX_MIN_ROWS rows or more run on the AMX tiles");
+  m.def("set_amx", &set_amx, "turn the AMX tiles on (where supported) or off in this process");
+  m.attr("AMX_MIN_ROWS") = AMX_MIN_ROWS;
   m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q4_0_r8", &gemm_q4_0_r8, "y [T, N] = x [T, K] float32 times Q4_0 weights, 8 outputs interleaved "
