@@ -180,7 +180,8 @@ def cpu_attention_error(dtype: torch.dtype, device: torch.device, head_dim: int)
     if cpu_attention.build_error() is not None:
         return cpu_attention.build_error()
     if not cpu_attention.supports(dtype, head_dim):
-        return f"it runs float32 models with a head dim that is a multiple of 16; this one is {dtype}, head dim {head_dim}"
+        return (f"it runs float32 and bfloat16 models with a head dim that is a multiple of 16; this one is {dtype}, "
+                f"head dim {head_dim}")
     return None
 
 
@@ -266,7 +267,7 @@ class Backend:
             return self.decode_kernel
         if choice == "cpu" and self.decode_kernel != "cpu":
             why = next((f for f in self.fallbacks if f.startswith("decode attention")), "")
-            raise InvalidArgumentError(f"decode_kernel='cpu' needs a float32 CPU model with head dim a multiple of 16 "
+            raise InvalidArgumentError(f"decode_kernel='cpu' needs a float32 or bfloat16 CPU model with head dim a multiple of 16 "
                                        f"on an AVX2 CPU ({why or 'not resolved for this model'})")
         if choice == "triton":
             from forklm.kernels.segment_attention import available

@@ -68,14 +68,16 @@ def test_kernel_matches_reference(num_rows, g, p, D, bs, shared, tail, chunk, ad
     assert rel_err(out, ref) < 2e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_rows,shared,tail", [(1, 0, 300), (8, 16, 40), (64, 4, 20)])
-def test_float16_cache_matches_reference(num_rows, shared, tail):
-    """A float16 cache read in float32 arithmetic: the reference reads the same float16 values."""
+def test_half_caches_match_reference(num_rows, shared, tail, dtype):
+    """A float16 or bfloat16 cache read in float32 arithmetic: the reference reads the same values
+    (bfloat16 queries, a bfloat16 model's, widened exactly by the caller)."""
     rng = random.Random(num_rows)
     g, p, D, bs = 3, 3, 64, 16
     num_blocks = shared + num_rows * (-(-tail // bs)) + 3
-    k_cache = torch.randn(g, num_blocks * bs, D).half()
-    v_cache = torch.randn(g, num_blocks * bs, D).half()
+    k_cache = torch.randn(g, num_blocks * bs, D).to(dtype)
+    v_cache = torch.randn(g, num_blocks * bs, D).to(dtype)
     items = random_items(rng, num_rows, num_blocks, bs, shared, tail)
     q = torch.randn(num_rows, g * p, D) * 2
     out = ca.paged_attention(q, k_cache, v_cache, ca.plan_items(items, num_rows, bs), g * p, chunk_tokens=32)
@@ -128,6 +130,14 @@ def test_rope_and_cache_write_are_the_models_bit_for_bit():
     assert torch.equal(k16[:, slots], qk[:, h:].transpose(0, 1).half())
     assert torch.equal(v16[:, slots], qkv[:, (h + g) * D :].view(T, g, D).transpose(0, 1).half())
     assert rel_err(out16, ca.paged_attention_reference(qk[:, :h].contiguous(), k16, v16, items, bs)) < 2e-6
+    # and a bfloat16 cache as torch's .to(bfloat16) rounds (to nearest even; ties, NaN, infinities and overflow)
+    qkv[0, (h + g) * D : (h + g) * D + 6] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("nan"), float("inf"),
+                                                          -float("inf"), 3e38])
+    kb, vb = k_ref.bfloat16(), v_ref.bfloat16()
+    ca.paged_attention(qkv, kb, vb, ca.plan_items(items, T, bs), h, rope=(cos, sin_signed, slots))
+    assert torch.equal(kb[:, slots], qk[:, h:].transpose(0, 1).bfloat16())
+    want = qkv[:, (h + g) * D :].view(T, g, D).transpose(0, 1).bfloat16()
+    torch.testing.assert_close(vb[:, slots], want, rtol=0, atol=0, equal_nan=True)  # exactly (a NaN as a NaN)
 
 
 def test_non_finite_keys_stay_in_their_rows():
@@ -206,7 +216,9 @@ def test_engine_on_cpu_kernel_equals_torch_path(speculative):
             assert sa.logprobs == pytest.approx(sb.logprobs, abs=1e-4)
 
 
-def test_auto_picks_the_cpu_kernel_for_float32_only():
+def test_auto_picks_the_cpu_kernel_for_float32_and_bfloat16():
+    """float32 and bfloat16 models decode on the C++ kernel (a bfloat16 one over its bfloat16 cache);
+    a head dim that is not a multiple of 16 keeps PyTorch's path, and asking for the kernel then is refused."""
     from forklm.engine.engine import Engine, EngineConfig
     from forklm.errors import InvalidArgumentError
 
@@ -215,9 +227,45 @@ def test_auto_picks_the_cpu_kernel_for_float32_only():
     from conftest import tiny_llama
 
     bf16 = tiny_llama(29, 64, 4, 2, 16, 96, 1, torch.bfloat16, seed=1)
-    assert Engine(bf16, None, (), EngineConfig(num_blocks=8)).decode_kernel == "torch"
+    engine = Engine(bf16, None, (), EngineConfig(num_blocks=8))
+    assert engine.decode_kernel == "cpu" and engine.kv.dtype == torch.bfloat16
+    odd = tiny_llama(29, 48, 4, 2, 12, 96, 1, torch.bfloat16, seed=1)  # head dim 12
+    assert Engine(odd, None, (), EngineConfig(num_blocks=8)).decode_kernel == "torch"
     with pytest.raises(InvalidArgumentError, match="decode_kernel='cpu'"):
-        Engine(bf16, None, (), EngineConfig(num_blocks=8, decode_kernel="cpu"))
+        Engine(odd, None, (), EngineConfig(num_blocks=8, decode_kernel="cpu"))
+
+
+def test_bfloat16_engine_on_cpu_kernel_follows_torch_path():
+    """A bfloat16 model: shared prompts, samples and chunked prefill beside decode rows on the C++ kernel
+    (float32 arithmetic over the bfloat16 cache) against PyTorch's bfloat16 attention: greedy samples'
+    tokens agree until a near-tie and their log-probabilities within bfloat16 rounding."""
+    from conftest import tiny_llama
+
+    from forklm.engine.engine import Engine, EngineConfig
+    from forklm.sampling.params import SamplingParams
+
+    model = tiny_llama(29, 64, 4, 2, 16, 96, 2, torch.bfloat16, seed=4, max_positions=1024)
+    rng = random.Random(5)
+    system = [rng.randrange(29) for _ in range(37)]
+    prompts = [system + [rng.randrange(29) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+    outs = {}
+    for kernel in ("torch", "cpu"):
+        engine = Engine(model, lambda ids: " ".join(map(str, ids)), (), EngineConfig(
+            num_blocks=96, decode_kernel=kernel, block_size=8, max_batch_tokens=24))
+        states = [engine.add_request(p, SamplingParams(n=2, max_tokens=12, temperature=0.0, seed=i))
+                  for i, p in enumerate(prompts)]
+        engine.run()
+        engine.check_integrity()
+        outs[kernel] = [s for st in states for s in st.output.samples]
+    agree = 0
+    for a, b in zip(outs["torch"], outs["cpu"]):
+        assert a.token_ids[0] == b.token_ids[0]  # the first token comes from the prefill (the same path)
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if ta != tb:
+                break
+            assert la == pytest.approx(lb, abs=0.05)
+            agree += 1
+    assert agree >= 0.75 * sum(len(s.token_ids) for s in outs["torch"])
 
 
 def test_kv_dtype_rule_and_checks(smollm2_gguf):

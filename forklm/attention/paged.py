@@ -619,7 +619,9 @@ class PagedAttention:
         if isinstance(plan.kernel_plan, CpuAttentionPlan):  # one C++ call (rows in their own order)
             from forklm.kernels.cpu_attention import paged_attention
 
-            return paged_attention(q, self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, h, scale).view(B, h, D)
+            # float32 arithmetic whatever the model's dtype (a bfloat16 model's queries widened exactly)
+            o = paged_attention(q.float(), self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, h, scale).view(B, h, D)
+            return o.to(q.dtype)
         if plan.kernel_plan is not None:  # every segment and tail in one kernel, merged exactly
             from forklm.kernels.segment_attention import segment_attention
 

@@ -54,7 +54,7 @@ def available() -> bool:
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a model of this dtype and head size runs on the kernel here (a fixed rule)."""
-    return dtype == torch.float32 and head_dim % 16 == 0 and available()
+    return dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and available()
 
 
 @dataclass

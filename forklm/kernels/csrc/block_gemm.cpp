@@ -1957,19 +1957,20 @@ bool amx_on() {
   return s == 1;
 }
 
-// tmm0 / tmm1: C, 16 rows x 16 int32; tmm2 / tmm4: A, 16 rows x 32 bytes; tmm3 / tmm5: B, 8 rows x 64 bytes
-// (two sets, so that one block's product runs while the previous one's sums are scaled).
+// tmm0-3: C, 16 rows x 16 int32 (four blocks' sums); tmm4 / tmm5: A, 16 rows x 32 bytes; tmm6 / tmm7: B,
+// 8 rows x 64 bytes (two of each, alternating, so that loads run ahead of the products).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
 
-FORKLM_AMX_TARGET inline void amx_configure() {
+// rows: of the A and C tiles (16, or T for a product of fewer rows: no padding rows to multiply)
+FORKLM_AMX_TARGET inline void amx_configure(int rows) {
   TileConfig c;
-  c.rows[0] = c.rows[1] = 16, c.colsb[0] = c.colsb[1] = 64;
-  c.rows[2] = c.rows[4] = 16, c.colsb[2] = c.colsb[4] = 32;
-  c.rows[3] = c.rows[5] = 8, c.colsb[3] = c.colsb[5] = 64;
+  for (int i = 0; i < 4; ++i) c.rows[i] = static_cast<uint8_t>(rows), c.colsb[i] = 64;
+  c.rows[4] = c.rows[5] = static_cast<uint8_t>(rows), c.colsb[4] = c.colsb[5] = 32;
+  c.rows[6] = c.rows[7] = 8, c.colsb[6] = c.colsb[7] = 64;
   asm volatile("" : : "r"(&c) : "memory");  // the whole config in memory (ldtilecfg's operand names 8 bytes)
   _tile_loadconfig(&c);
 }
@@ -1986,7 +1987,7 @@ FORKLM_AMX_TARGET void amx_b_tiles(const uint8_t* wq, const uint8_t* wh, int64_t
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * BYTES;
     uint8_t* o = out + b * 512;
-    for (int64_t i = 0; i < BYTES; i += 64) prefetch_ahead(w, R8_PREFETCH_BYTES + i), prefetch_ahead(w + next, R8_PREFETCH_BYTES + i);
+    for (int64_t i = 0; i < BYTES; i += 64) prefetch_ahead(w, R8_PREFETCH_BYTES + i), prefetch_ahead(w + next, R8_PREFETCH_BYTES + i);  // (a thread's first pair)
     if constexpr (L == R8_Q8_0) {
       for (int r = 0; r < 8; ++r) _mm512_storeu_si512(o + 64 * r, load_halves(w + 32 * r, w + next + 32 * r));
     } else {
@@ -2019,19 +2020,19 @@ struct AmxProduct {
   int64_t T, K, nb, n;
 };
 
-// Pairs [p0, p1) of groups (outputs 16·p0 ..) times every row: tiles of 16 rows, a block's product
-// (slot 0 or 1: C tmm0 / tmm1, A tmm2 / tmm4, B tmm3 / tmm5) issued before the previous block's scaling.
+// Pairs [p0, p1) of groups (outputs 16·p0 ..) times every row, in tiles of 16 rows: four blocks' products
+// (C tmm0-3) are stored while the four before them are scaled, so no load waits on a tile store.
 template <int L>
 FORKLM_AMX_TARGET void amx_pairs(const AmxProduct& a, int64_t p0, int64_t p1) {
   constexpr bool MIN = r8_has_minima(L), H5 = r8_has_fifth_bits(L), KS = r8_has_k_scales(L);
   constexpr bool SIGNED = L == R8_Q8_0 || L == R8_IQ4_NL;
   constexpr int32_t OFFSET = H5 ? 16 : 8;
   const int64_t nb = a.nb, K = a.K, T = a.T, n = a.n;
-  const int64_t sblocks = KS ? nb / 8 : nb, group_bytes = nb * r8_block_bytes(L);
+  const int64_t sblocks = KS ? nb / 8 : nb, group_bytes = nb * r8_block_bytes(L), quads = (nb + 3) / 4;
   thread_local std::vector<uint8_t> tiles;
   tiles.resize(static_cast<size_t>(nb) * 512);
-  alignas(64) int32_t sums[2][256];
-  amx_configure();
+  alignas(64) int32_t sums[2][4][256];
+  amx_configure(static_cast<int>(std::min<int64_t>(16, T)));
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t g = 2 * p;
     amx_b_tiles<L>(a.wq + g * group_bytes, H5 ? a.wh + g * nb * 32 : nullptr, nb, tiles.data());
@@ -2044,38 +2045,50 @@ FORKLM_AMX_TARGET void amx_pairs(const AmxProduct& a, int64_t p0, int64_t p1) {
     for (int64_t t0 = 0; t0 < T; t0 += 16) {
       const int8_t* xa = a.xq + t0 * K;
       const int live = static_cast<int>(std::min<int64_t>(16, T - t0));
-      __m512 acc[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-#define FORKLM_AMX_ISSUE(C, A, B, blk)                                           \
+#define FORKLM_AMX_ISSUE(C, A, B, blk, out)                                      \
   do {                                                                           \
     _tile_loadd(A, xa + (blk) * QK, K);                                          \
     _tile_loadd(B, bt + (blk) * 512, 64);                                        \
     _tile_zero(C);                                                               \
     if constexpr (SIGNED) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);     \
-    _tile_stored(C, sums[(blk) & 1], 64);                                        \
+    _tile_stored(C, out, 64);                                                    \
   } while (0)
-      FORKLM_AMX_ISSUE(0, 2, 3, 0);
-      for (int64_t b = 0; b < nb; ++b) {
-        if (b + 1 < nb) {
-          if ((b + 1) & 1) FORKLM_AMX_ISSUE(1, 4, 5, b + 1);
-          else FORKLM_AMX_ISSUE(0, 2, 3, b + 1);
-        }
-        const int32_t* s = sums[b & 1];
-        const __m512 d16 = r8_block_scales_x2<KS>(wd, wsc, b, nb, sblocks);
-        __m512 m16 = _mm512_setzero_ps();
-        if constexpr (MIN) m16 = r8_block_scales_x2<KS>(wm, wmq, b, nb, sblocks);
+      const auto issue = [&](int64_t q) {  // blocks 4q .. 4q + 3 into sums[q % 2]
+        int32_t(*out)[256] = sums[q & 1];
+        const int64_t b = 4 * q;
+        FORKLM_AMX_ISSUE(0, 4, 6, b, out[0]);
+        if (b + 1 < nb) FORKLM_AMX_ISSUE(1, 5, 7, b + 1, out[1]);
+        if (b + 2 < nb) FORKLM_AMX_ISSUE(2, 4, 6, b + 2, out[2]);
+        if (b + 3 < nb) FORKLM_AMX_ISSUE(3, 5, 7, b + 3, out[3]);
+      };
+#undef FORKLM_AMX_ISSUE
+      __m512 acc[16];
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          if (i >= live) break;
-          const int64_t t = t0 + i;
-          __m512i sum = _mm512_load_si512(s + 16 * i);
-          if constexpr (!MIN && !SIGNED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET * a.xs[t * nb + b]));
-          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(a.dx[t * nb + b])), _mm512_cvtepi32_ps(sum), acc[i]);
-          if constexpr (MIN) acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(a.sx[t * nb + b]), acc[i]);
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      // the next pair's weights come in from memory while this pair's first tile of rows is multiplied
+      const uint8_t* ahead = t0 == 0 && p + 1 < p1 ? a.wq + (g + 2) * group_bytes : nullptr;
+      issue(0);
+      for (int64_t q = 0; q < quads; ++q) {
+        if (q + 1 < quads) issue(q + 1);
+        if (ahead != nullptr)
+          for (int64_t i = 4 * q * r8_block_bytes(L); i < std::min(nb, 4 * q + 4) * r8_block_bytes(L); i += 64)
+            prefetch_ahead(ahead, i), prefetch_ahead(ahead + group_bytes, i);
+        for (int64_t b = 4 * q; b < std::min(nb, 4 * q + 4); ++b) {
+          const int32_t* s = sums[q & 1][b - 4 * q];
+          const __m512 d16 = r8_block_scales_x2<KS>(wd, wsc, b, nb, sblocks);
+          __m512 m16 = _mm512_setzero_ps();
+          if constexpr (MIN) m16 = r8_block_scales_x2<KS>(wm, wmq, b, nb, sblocks);
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            if (i >= live) break;
+            const int64_t t = t0 + i;
+            __m512i sum = _mm512_load_si512(s + 16 * i);
+            if constexpr (!MIN && !SIGNED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET * a.xs[t * nb + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d16, _mm512_set1_ps(a.dx[t * nb + b])), _mm512_cvtepi32_ps(sum), acc[i]);
+            if constexpr (MIN) acc[i] = _mm512_fmadd_ps(m16, _mm512_set1_ps(a.sx[t * nb + b]), acc[i]);
+          }
         }
       }
-#undef FORKLM_AMX_ISSUE
       const int64_t o = g * 8, outs = std::min<int64_t>(16, n - o);
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) {

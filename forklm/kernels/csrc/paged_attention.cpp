@@ -1,5 +1,5 @@
-// Decode attention over the paged KV cache on x86 CPUs with AVX2 (float32 arithmetic over a float32
-// or float16 cache), as one call per layer:
+// Decode attention over the paged KV cache on x86 CPUs with AVX2 (float32 arithmetic over a float32,
+// float16 or bfloat16 cache), as one call per layer:
 // rotary embedding of the new tokens' q and k, their K/V written into the cache, and every decode
 // row's attention over its KV segments, merged exactly by log-sum-exp.
 //
@@ -51,6 +51,25 @@ inline __m256 load8(const Fp16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(rein
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(Fp16* p, __m256 v) {  // rounded to nearest even, as torch's .to(float16)
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// A bfloat16 cache (a bfloat16 model's own KV dtype): the top 16 bits of a float32, widened exactly.
+struct Bf16 {
+  uint16_t bits;
+};
+
+inline __m256 load8(const Bf16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+inline void store8(Bf16* p, __m256 v) {  // rounded to nearest even, NaN kept quiet, as torch's .to(bfloat16)
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // the 8 halves in the low 128 bits
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
 struct Items {
@@ -201,7 +220,8 @@ inline void transpose_piece(const T* kp, int64_t n, int64_t NP, int64_t D, float
 // The piece's n value rows as float32 (exact widening of a float16 cache), converted once for all
 // of a unit's row tiles instead of once per tile.
 inline const float* widen_piece(const float* vp, int64_t, int64_t, std::vector<float>&) { return vp; }
-inline const float* widen_piece(const Fp16* vp, int64_t n, int64_t D, std::vector<float>& buf) {
+template <typename H>
+inline const float* widen_piece(const H* vp, int64_t n, int64_t D, std::vector<float>& buf) {
   buf.resize(n * D);
   for (int64_t i = 0; i < n * D; i += 8) _mm256_storeu_ps(buf.data() + i, load8(vp + i));
   return buf.data();
@@ -309,7 +329,8 @@ inline void rope_row(const float* x, const float* c, const float* s, int64_t D, 
 }
 
 inline void store_row(const float* x, int64_t D, float* out) { std::copy(x, x + D, out); }
-inline void store_row(const float* x, int64_t D, Fp16* out) {
+template <typename H>
+inline void store_row(const float* x, int64_t D, H* out) {
   for (int64_t d = 0; d < D; d += 8) store8(out + d, _mm256_loadu_ps(x + d));
 }
 
@@ -481,9 +502,13 @@ torch::Tensor paged_attention(const torch::Tensor& q_in, const std::optional<tor
                               const torch::Tensor& tokens, int64_t bs, double scale, int64_t chunk_tokens) {
   const auto kind = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && (kind == torch::kFloat32 || kind == torch::kFloat16) &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  (kind == torch::kFloat32 || kind == torch::kFloat16 || kind == torch::kBFloat16) &&
                   v_cache.scalar_type() == kind && k_cache.is_cpu() && v_cache.is_cpu(),
-              "K/V caches must be contiguous float32 or float16 CPU tensors [g, slots, D] of one shape and dtype");
+              "K/V caches must be contiguous float32, float16 or bfloat16 CPU tensors [g, slots, D] of one shape and dtype");
+  if (kind == torch::kBFloat16)
+    return paged_attention_impl<Bf16>(q_in, cos_in, sin_in, k_cache, v_cache, slots_in, h, num_rows, rows_start, rows,
+                                      blocks_start, blocks, tokens, bs, scale, chunk_tokens);
   if (kind == torch::kFloat16)
     return paged_attention_impl<Fp16>(q_in, cos_in, sin_in, k_cache, v_cache, slots_in, h, num_rows, rows_start, rows,
                                       blocks_start, blocks, tokens, bs, scale, chunk_tokens);
