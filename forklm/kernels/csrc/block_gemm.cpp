@@ -2031,7 +2031,7 @@ FORKLM_AMX_TARGET void amx_pairs(const AmxProduct& a, int64_t p0, int64_t p1) {
   const int64_t sblocks = KS ? nb / 8 : nb, group_bytes = nb * r8_block_bytes(L), quads = (nb + 3) / 4;
   thread_local std::vector<uint8_t> tiles;
   tiles.resize(static_cast<size_t>(nb) * 512);
-  alignas(64) int32_t sums[2][4][256];
+  alignas(64) int32_t sums[2][4][256] = {};  // (rows past a short product's T stay zero)
   amx_configure(static_cast<int>(std::min<int64_t>(16, T)));
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t g = 2 * p;
@@ -2079,8 +2079,7 @@ FORKLM_AMX_TARGET void amx_pairs(const AmxProduct& a, int64_t p0, int64_t p1) {
           __m512 m16 = _mm512_setzero_ps();
           if constexpr (MIN) m16 = r8_block_scales_x2<KS>(wm, wmq, b, nb, sblocks);
 #pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) {
-            if (i >= live) break;
+          for (int i = 0; i < 16; ++i) {  // (rows past T: zero scales, never stored)
             const int64_t t = t0 + i;
             __m512i sum = _mm512_load_si512(s + 16 * i);
             if constexpr (!MIN && !SIGNED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(OFFSET * a.xs[t * nb + b]));
@@ -2154,7 +2153,11 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   // a last odd group on the vector tiles below
   const bool amx = FORKLM_AMX && !Q6 && T >= AMX_MIN_ROWS && G >= 2 && amx_on();
   const int64_t amx_groups = amx ? G / 2 * 2 : 0;
-  if (amx) buf.q.resize((T + 15) / 16 * 16 * K);  // (resize value-initializes: the padding rows are zeros)
+  if (amx) {  // (resize value-initializes: the padding rows are zeros)
+    const int64_t T16 = (T + 15) / 16 * 16;
+    buf.q.resize(T16 * K), buf.d.resize(T16 * nb), buf.s.resize(T16 * nb);
+    if (!xs.empty()) xs.resize(T16 * nb);
+  }
   const uint8_t* wq = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr());
   const uint16_t* wm = MIN ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
