@@ -25,7 +25,8 @@ def kernels_report() -> dict[str, str]:
 
     build = block_gemm.LOADED_BUILDS.get("forklm_block_gemm", "?") if block_gemm.build_error() is None else "?"
     if build == "AVX512-VNNI" and block_gemm.cpu_has_amx():
-        build += (f", AMX tiles from {block_gemm._extension().AMX_MIN_ROWS} rows" if block_gemm.uses_amx()
+        ext = block_gemm._extension()
+        build += (f", AMX tiles at {ext.AMX_MIN_ROWS}-{ext.AMX_MAX_ROWS} rows" if block_gemm.uses_amx()
                   else ", AMX tiles off (FORKLM_BLOCK_KERNEL_AMX=0 or Linux refused the tile data)")
     block = state(block_gemm.build_error(), f"built ({build})")
     return {

@@ -11,7 +11,10 @@
 #   JOBS                      parallel compile jobs (default: the number of CPUs)
 #   LLAMA_CPP_ISA             native (default: -march=native) or avx2 (AVX2 + FMA + F16C + BMI2 only,
 #                             into build-$VERSION-avx2: llama.cpp's AVX2 code on an AVX-512 CPU, to set
-#                             beside forklm's AVX2 build, FORKLM_BLOCK_KERNEL_VNNI=0)
+#                             beside forklm's AVX2 build, FORKLM_BLOCK_KERNEL_VNNI=0) or noamx (the native
+#                             build's AVX-512 / VNNI / BF16 code without its AMX backend, into
+#                             build-$VERSION-noamx: on CPUs with AMX the native build segfaults in
+#                             ggml_backend_amx_mul_mat on every file, llama.cpp's open issue 20824)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -25,7 +28,11 @@ case "$ISA" in
     avx2) BUILD="$ROOT/build-$VERSION-avx2"
           ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
                      -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
-    *) echo "LLAMA_CPP_ISA must be native or avx2, not $ISA" >&2; exit 2 ;;
+    noamx) BUILD="$ROOT/build-$VERSION-noamx"
+           ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                      -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+                      -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "LLAMA_CPP_ISA must be native, avx2 or noamx, not $ISA" >&2; exit 2 ;;
 esac
 BIN="$BUILD/bin/llama-batched-bench"
 

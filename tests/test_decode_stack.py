@@ -240,7 +240,7 @@ def test_default_model_samples_the_same_on_the_stack(monkeypatch, smollm2_gguf):
 
 @pytest.mark.skipif(not (bg.cpu_has_amx() and bg.uses_vnni()), reason="this CPU has no AMX-INT8 (or no AVX512-VNNI)")
 def test_samples_on_amx_tiles_equal_the_vector_tiles(smollm2_gguf):
-    """SmolLM2's file (Q4_1 layers, a Q8_0 head), 8 samples a step on the stack and the head on the block
+    """SmolLM2's file (Q4_1 layers, a Q8_0 head), 16 samples a step (AMX_MIN_ROWS) on the stack and the head on the block
     kernel: with the AMX tiles on (both modules) the tokens and log-probabilities of the vector tiles."""
     from forklm import LLM
 
@@ -252,7 +252,7 @@ def test_samples_on_amx_tiles_equal_the_vector_tiles(smollm2_gguf):
             bg._extension().set_amx(on)
             decode_stack._extension().set_amx(on)
             assert bg.uses_amx() == on and decode_stack._extension().amx_enabled() == on
-            out = llm.sample("def quicksort(xs):\n    ", n=8, max_tokens=12, temperature=0.9, top_p=0.95, seed=5,
+            out = llm.sample("def quicksort(xs):\n    ", n=16, max_tokens=12, temperature=0.9, top_p=0.95, seed=5,
                              attention="bifurcated")
             got[on] = [(s.token_ids, s.logprobs) for s in out.samples]
     finally:

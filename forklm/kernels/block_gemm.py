@@ -121,7 +121,7 @@ def uses_vnni() -> bool:
 LOADED_BUILDS: dict[str, str] = {}  # name -> the build that loaded ("AVX512-VNNI" or "AVX2")
 
 # AMX-INT8 (Intel Sapphire Rapids and later): the VNNI build runs the interleaved layouts' products of
-# `AMX_MIN_ROWS` rows or more (but Q6_K's) on the tile unit, the same integers and float chains as its
+# `AMX_MIN_ROWS` to `AMX_MAX_ROWS` rows (16-32: where they measured faster; but Q6_K's) on the tile unit, the same integers and float chains as its
 # vector tiles, so the same bits (csrc/block_gemm.cpp, "AMX tiles"). FORKLM_BLOCK_KERNEL_AMX=0 turns them off.
 AMX_CPU_FLAGS = ("amx_tile", "amx_int8")
 

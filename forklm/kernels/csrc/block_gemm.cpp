@@ -1915,7 +1915,7 @@ void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, co
 
 // ------------------------------------------------------------------------------------------ AMX tiles
 // On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the VNNI build runs the interleaved layouts'
-// products of AMX_MIN_ROWS rows or more on the tile unit: per pair of groups (16 outputs) and block of 32,
+// products of AMX_MIN_ROWS to AMX_MAX_ROWS rows on the tile unit: per pair of groups (16 outputs) and block of 32,
 // one tdpbsud (tdpbssd for the signed layouts) gives 16 rows x 16 outputs of Σ q_x·q_w in int32, the same
 // integers `tile_r8_x2` / `tile_r8_signed_x2` sum with vpdpbusd, and each (output, row)'s float chain over
 // the blocks is theirs lane for lane: so the same bits at every row count (tests: AMX on = off). Q6_K
@@ -1929,7 +1929,11 @@ void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, co
 #else
 #define FORKLM_AMX 0
 #endif
-constexpr int64_t AMX_MIN_ROWS = 4;
+// Where the tiles win (scripts/ab_amx.py on the AMX Xeon, a step's products, 2026-12-01): 1.13-1.28x the
+// vector tiles at 16 and 32 rows on SmolLM2's file, 1.14x on a 1B file's Q4_K at 32; at 4-8 rows 0.54-0.88x
+// (a pair's weights unpacked for few rows), at 24 and 48-256 rows 0.80-0.94x. Fixed bounds (the same bits
+// either way, so a row count's choice never shows in a sample).
+constexpr int64_t AMX_MIN_ROWS = 16, AMX_MAX_ROWS = 32;
 
 #if FORKLM_AMX
 #define FORKLM_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
@@ -2151,7 +2155,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
     block_sums(buf.q.data(), T * nb, xs.data());
   // AMX: pairs of groups on the tile unit (`amx_pairs`), the rows padded with zeros to a multiple of 16;
   // a last odd group on the vector tiles below
-  const bool amx = FORKLM_AMX && !Q6 && T >= AMX_MIN_ROWS && G >= 2 && amx_on();
+  const bool amx = FORKLM_AMX && !Q6 && T >= AMX_MIN_ROWS && T <= AMX_MAX_ROWS && G >= 2 && amx_on();
   const int64_t amx_groups = amx ? G / 2 * 2 : 0;
   if (amx) {  // (resize value-initializes: the padding rows are zeros)
     const int64_t T16 = (T + 15) / 16 * 16;
@@ -3028,9 +3032,10 @@ torch::Tensor dequantize_rows_r8(int64_t layout, const torch::Tensor& qs, const 
 #ifndef FORKLM_EMBEDDED  // decode_stack.cpp compiles this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_supported", &amx_supported, "whether this build runs AMX tiles on this CPU (AMX-INT8, Linux's leave)");
-  m.def("amx_enabled", &amx_on, "whether products of AMX_MIN_ROWS rows or more run on the AMX tiles");
+  m.def("amx_enabled", &amx_on, "whether products of AMX_MIN_ROWS to AMX_MAX_ROWS rows run on the AMX tiles");
   m.def("set_amx", &set_amx, "turn the AMX tiles on (where supported) or off in this process");
   m.attr("AMX_MIN_ROWS") = AMX_MIN_ROWS;
+  m.attr("AMX_MAX_ROWS") = AMX_MAX_ROWS;
   m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])",
         py::call_guard<py::gil_scoped_release>());
   m.def("gemm_q4_0_r8", &gemm_q4_0_r8, "y [T, N] = x [T, K] float32 times Q4_0 weights, 8 outputs interleaved "

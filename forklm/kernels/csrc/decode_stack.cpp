@@ -154,7 +154,7 @@ class DecodeStack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("amx_enabled", &amx_on, "whether the stack's products of AMX_MIN_ROWS rows or more run on the AMX tiles");
+  m.def("amx_enabled", &amx_on, "whether the stack's products of AMX_MIN_ROWS to AMX_MAX_ROWS rows run on the AMX tiles");
   m.def("set_amx", &set_amx, "turn the AMX tiles on (where supported) or off in this process");
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<const std::vector<torch::Tensor>&, const std::vector<std::vector<std::string>>&,
