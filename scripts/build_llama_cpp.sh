@@ -14,7 +14,7 @@
 #                             beside forklm's AVX2 build, FORKLM_BLOCK_KERNEL_VNNI=0) or noamx (the native
 #                             build's AVX-512 / VNNI / BF16 code without its AMX backend, into
 #                             build-$VERSION-noamx: on CPUs with AMX the native build segfaults in
-#                             ggml_backend_amx_mul_mat on every file, llama.cpp's open issue 20824)
+#                             ggml_backend_amx_mul_mat on every file, reported to llama.cpp in March 2026, still open)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}

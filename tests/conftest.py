@@ -13,6 +13,22 @@ torch.manual_seed(0)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def linux_grants_amx() -> bool:
+    """Whether this Linux lets a process use AMX's tile data (ARCH_REQ_XCOMP_PERM, from 5.16 on)."""
+    import platform
+
+    release = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+    return release >= (5, 16)
+
+
+def amx_tiles_expected() -> bool:
+    """Whether the block kernel should run its AMX tiles here: AMX-INT8 and its VNNI build, on a Linux
+    that grants the tile data. Where True, a kernel that does not use them fails the AMX tests."""
+    from forklm.kernels import block_gemm as bg
+
+    return bg.cpu_has_amx() and bg.uses_vnni() and linux_grants_amx()
+
+
 def native_kernels_expected() -> bool:
     """Whether forklm's C++ kernels should build and run here: an x86-64 CPU with AVX2, FMA and F16C
     and a torch on GNU OpenMP. Tests of those kernels skip only where this is False; elsewhere a

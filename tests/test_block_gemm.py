@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from conftest import amx_tiles_expected
 
 from forklm import backend
 from forklm.backend import Backend
@@ -686,19 +687,14 @@ def test_vnni_build_equals_the_avx2_build_bit_for_bit(kind):
 AMX_KINDS = [k for k in bg.R8_KINDS if k != "q6_k_r8"]  # Q6_K (scales per 16) keeps the vector tiles
 
 
-@pytest.mark.skipif(not (bg.cpu_has_amx() and bg.uses_vnni()), reason="this CPU has no AMX-INT8 (or no AVX512-VNNI)")
+@pytest.mark.skipif(not amx_tiles_expected(), reason="no AMX-INT8, no AVX512-VNNI, or Linux before 5.16")
 @pytest.mark.parametrize("kind", AMX_KINDS)
 def test_amx_tiles_equal_the_vector_tiles_bit_for_bit(kind):
     """On a CPU with AMX-INT8 the VNNI build runs products of AMX_MIN_ROWS to AMX_MAX_ROWS rows on the tile unit:
     every product, plain and fused (RMSNorm prologue, residual), equals the vector tiles' bit for bit, at
     row counts around the 16-row tiles (padding rows) and with an odd last group of 8 outputs (it stays on
     the vector tiles), and against the slow reference."""
-    import platform
-
     ext = bg._extension()
-    release = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
-    if release < (5, 16):  # Linux grants AMX's tile data (ARCH_REQ_XCOMP_PERM) from 5.16 on
-        pytest.skip(f"Linux {platform.release()} predates AMX support (5.16)")
     assert ext.amx_supported(), "an AMX-INT8 CPU on Linux >= 5.16 whose block kernel cannot use the tiles"
     assert bg.uses_amx()
     k = 768 if kind in K_KINDS else 640
@@ -724,12 +720,12 @@ def test_amx_tiles_equal_the_vector_tiles_bit_for_bit(kind):
 
 def test_amx_switch_follows_the_environment():
     """FORKLM_BLOCK_KERNEL_AMX=0 turns the tiles off in a new process; elsewhere they run exactly where the
-    CPU has AMX-INT8 and the VNNI build loaded."""
+    CPU has AMX-INT8, the VNNI build loaded and Linux grants the tile data."""
     import subprocess
     import sys
 
     code = "from forklm.kernels import block_gemm as b; print(b.available(), b.uses_amx())"
-    for value, want_amx in (("0", False), ("1", bg.cpu_has_amx() and bg.uses_vnni())):
+    for value, want_amx in (("0", False), ("1", amx_tiles_expected())):
         env = dict(os.environ, FORKLM_BLOCK_KERNEL_AMX=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
         available, amx = out.split()

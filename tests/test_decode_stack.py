@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import native_kernels_expected
+from conftest import amx_tiles_expected, native_kernels_expected
 
 from forklm.attention.paged import PagedAttention
 from forklm.kernels import block_gemm as bg
@@ -238,16 +238,12 @@ def test_default_model_samples_the_same_on_the_stack(monkeypatch, smollm2_gguf):
         assert [s.logprobs for s in a.samples] == [s.logprobs for s in b.samples]
 
 
-@pytest.mark.skipif(not (bg.cpu_has_amx() and bg.uses_vnni()), reason="this CPU has no AMX-INT8 (or no AVX512-VNNI)")
+@pytest.mark.skipif(not amx_tiles_expected(), reason="no AMX-INT8, no AVX512-VNNI, or Linux before 5.16")
 def test_samples_on_amx_tiles_equal_the_vector_tiles(smollm2_gguf):
     """SmolLM2's file (Q4_1 layers, a Q8_0 head), 16 samples a step (AMX_MIN_ROWS) on the stack and the head on the block
     kernel: with the AMX tiles on (both modules) the tokens and log-probabilities of the vector tiles."""
-    import platform
-
     from forklm import LLM
 
-    if tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2]) < (5, 16):
-        pytest.skip(f"Linux {platform.release()} predates AMX support (5.16)")
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", quantize="auto")
     assert llm.model._decode_stack is not None or decode_stack.unsupported_reason(llm.model) is None
     got = {}

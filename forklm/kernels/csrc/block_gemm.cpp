@@ -1720,6 +1720,20 @@ inline __m512 r8_block_scales_x2(const uint16_t* wd, const uint8_t* wsc, int64_t
   }
 }
 
+// Run j of groups g (low half) and g + 1 (high half) of a 4- or 5-bit interleaved block (w: group g's block, group
+// g + 1's `next` bytes on): its low nibbles (values 4j..4j+3 of each output) in lo, its high ones (16 + 4j..) in hi,
+// H5: the fifth bits (`fifth`, both groups' 32 bytes) ORed in as bit 4 (the masks drop what crosses bytes).
+template <bool H5>
+inline void r8_run_values_x2(const uint8_t* w, int64_t next, __m512i fifth, int j, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i v = load_halves(w + 32 * j, w + next + 32 * j);
+  lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if constexpr (H5) {
+    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), bit4));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), bit4));
+  }
+}
+
 // `tile_r8` over two groups at once (the VNNI build, two rows or more): the 16 outputs of groups g and
 // g + 1 in the lanes of one 512-bit vector, group g's in the low half. Each lane's integers and float
 // chain are `tile_r8`'s, so the same bits with half the instructions. wq, wh, wd, wm (wsc, wmq): group g's arrays.
@@ -1729,7 +1743,6 @@ inline void tile_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
                        bool prefetch, const uint8_t* wsc = nullptr, const uint8_t* wmq = nullptr) {
   // group g + 1's values; its scales and minima sblocks·8 on (KS: bytes nb·8 on), fifth bits nb·32
   const int64_t next = nb * R8_BLOCK_BYTES, sblocks = KS ? nb / 8 : nb;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   constexpr int32_t OFFSET = H5 ? 16 : 8;  // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16)
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -1745,12 +1758,8 @@ inline void tile_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
     __m512i isum[TN];
     for (int t = 0; t < TN; ++t) isum[t] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = load_halves(w + 32 * j, w + next + 32 * j);
-      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (H5) {
-        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), bit4));
-        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), bit4));
-      }
+      __m512i lo, hi;
+      r8_run_values_x2<H5>(w, next, fifth, j, lo, hi);
       for (int t = 0; t < TN; ++t) {
         const int8_t* xb = xq + t * K + b * QK;
         int32_t a, c;
@@ -1986,7 +1995,6 @@ FORKLM_AMX_TARGET void amx_b_tiles(const uint8_t* wq, const uint8_t* wh, int64_t
   constexpr bool H5 = r8_has_fifth_bits(L), NL = L == R8_IQ4_NL;
   constexpr int64_t BYTES = r8_block_bytes(L);
   const int64_t next = nb * BYTES;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   const __m512i levels = _mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4nl_levels()));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * BYTES;
@@ -1998,12 +2006,8 @@ FORKLM_AMX_TARGET void amx_b_tiles(const uint8_t* wq, const uint8_t* wh, int64_t
       __m512i fifth = _mm512_setzero_si512();
       if constexpr (H5) fifth = load_halves(wh + b * 32, wh + (nb + b) * 32);
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = load_halves(w + 32 * j, w + next + 32 * j);
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (H5) {
-          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - j), bit4));
-          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(fifth, j), bit4));
-        }
+        __m512i lo, hi;
+        r8_run_values_x2<H5>(w, next, fifth, j, lo, hi);
         if constexpr (NL) lo = _mm512_shuffle_epi8(levels, lo), hi = _mm512_shuffle_epi8(levels, hi);
         _mm512_storeu_si512(o + 64 * j, lo);
         _mm512_storeu_si512(o + 64 * (4 + j), hi);
