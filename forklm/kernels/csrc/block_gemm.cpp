@@ -1943,6 +1943,7 @@ void check_r8_arrays(int L, const torch::Tensor& qs, const torch::Tensor& qh, co
 // (a pair's weights unpacked for few rows), at 24 and 48-256 rows 0.80-0.94x. Fixed bounds (the same bits
 // either way, so a row count's choice never shows in a sample).
 constexpr int64_t AMX_MIN_ROWS = 16, AMX_MAX_ROWS = 32;
+static_assert(AMX_MIN_ROWS >= 16, "the tiles hold 16 rows: a shorter product would leave rows of them unwritten");
 
 #if FORKLM_AMX
 #define FORKLM_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
@@ -1978,11 +1979,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// rows: of the A and C tiles (16, or T for a product of fewer rows: no padding rows to multiply)
-FORKLM_AMX_TARGET inline void amx_configure(int rows) {
+FORKLM_AMX_TARGET inline void amx_configure() {
   TileConfig c;
-  for (int i = 0; i < 4; ++i) c.rows[i] = static_cast<uint8_t>(rows), c.colsb[i] = 64;
-  c.rows[4] = c.rows[5] = static_cast<uint8_t>(rows), c.colsb[4] = c.colsb[5] = 32;
+  for (int i = 0; i < 4; ++i) c.rows[i] = 16, c.colsb[i] = 64;
+  c.rows[4] = c.rows[5] = 16, c.colsb[4] = c.colsb[5] = 32;
   c.rows[6] = c.rows[7] = 8, c.colsb[6] = c.colsb[7] = 64;
   asm volatile("" : : "r"(&c) : "memory");  // the whole config in memory (ldtilecfg's operand names 8 bytes)
   _tile_loadconfig(&c);
@@ -2039,8 +2039,8 @@ FORKLM_AMX_TARGET void amx_pairs(const AmxProduct& a, int64_t p0, int64_t p1) {
   const int64_t sblocks = KS ? nb / 8 : nb, group_bytes = nb * r8_block_bytes(L), quads = (nb + 3) / 4;
   thread_local std::vector<uint8_t> tiles;
   tiles.resize(static_cast<size_t>(nb) * 512);
-  alignas(64) int32_t sums[2][4][256] = {};  // (rows past a short product's T stay zero)
-  amx_configure(static_cast<int>(std::min<int64_t>(16, T)));
+  alignas(64) int32_t sums[2][4][256];
+  amx_configure();
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t g = 2 * p;
     amx_b_tiles<L>(a.wq + g * group_bytes, H5 ? a.wh + g * nb * 32 : nullptr, nb, tiles.data());
