@@ -32,7 +32,9 @@ def kernels_report() -> dict[str, str]:
     return {
         "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)": block,
         "ggml dot products (every other GGUF type)": state(ggml_gemm.build_error(), f"built ({ggml_gemm.ggml_dir()})"),
-        "C++ attention": state(cpu_attention.build_error()),
+        "C++ attention": state(cpu_attention.build_error(),
+                               "built (AVX-512 tiles at many query rows)" if cpu_attention.loaded_build() == "AVX512-VNNI"
+                               else "built (AVX2)"),
         "C++ sampler": state(cpu_sampler.build_error()),
         "decode stack": state(decode_stack.build_error()),
         "GGUF string reader (vocabulary at load)": state(string_reader_error()),

@@ -1,12 +1,12 @@
 """The C++ decode attention of this tree against the one of another commit, side by side.
 
     python scripts/ab_cpu_attention.py --against <commit> [--points 2048x32,2048x16,2048x8,256x32]
-        [--rounds 15] [--out bench/results/cpu_attention_ab.json]
+        [--rounds 15] [--shape g,p,D] [--out bench/results/cpu_attention_ab.json]
 
 Builds csrc/paged_attention.cpp as it is at `--against` (with that commit's simd_math.h) beside
 this tree's build, and per point (m_c x n) times a decode step's calls of each on the default model's
-shapes (30 layers, each its own cache: 3 KV heads x 3 query heads each, head dim 64, float16 cache,
-blocks of 16; the caches evicted from the CPU's caches before each step, as a step's weights evict
+shapes (30 layers, each its own cache: 3 KV heads x 3 query heads each, head dim 64, or `--shape`;
+float16 cache, blocks of 16; the caches evicted from the CPU's caches before each step, as a step's weights evict
 them): a shared prompt of m_c tokens read by n rows, each row with its own 5-token tail; rounds
 interleaved, each round's mean of 10 steps per layer, the minimum and median over rounds reported. `--layers 1 --no-evict`
 times one layer's cache kept in cache. Checks the two builds' outputs are equal bit for bit.
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--layers", type=int, default=30, help="layers a step calls, each with its own cache")
     ap.add_argument("--no-evict", action="store_true", help="leave the caches in the CPU's caches between steps")
+    ap.add_argument("--shape", default="3,3,64",
+                    help="g,p,D: KV heads, query heads per KV head, head dim (default SmolLM2-135M's; "
+                         "Llama-3.2-1B 8,4,64; Qwen2.5-1.5B 2,6,128)")
     ap.add_argument("--out", default="bench/results/cpu_attention_ab.json")
     args = ap.parse_args(argv)
     if args.layers < 1:
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parent.parent
     old, sha = build_at(args.against, root)
     new = ca._extension()
-    g, p, D, bs, tail = 3, 3, 64, 16, 5
+    g, p, D = (int(v) for v in args.shape.split(","))
+    bs, tail = 16, 5
     results = {}
     for point in args.points.split(","):
         ctx, rows = (int(v) for v in point.split("x"))
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_info(), "against": sha, "rounds": args.rounds, "layers": args.layers,
+                                          "shape": {"kv_heads": g, "query_heads_per_kv_head": p, "head_dim": D},
                                           "evicted": not args.no_evict, "points": results},
                               indent=1))
     print(f"wrote {out}")

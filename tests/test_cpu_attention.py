@@ -320,3 +320,32 @@ def test_default_model_decodes_the_same_on_both_paths(smollm2_f32):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
     assert math.isfinite(sum(got["cpu"].samples[0].logprobs))
+
+
+@pytest.mark.skipif(not bg.uses_vnni(), reason="this CPU has no AVX512-VNNI: the attention runs its AVX2 build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_avx512_build_equals_the_avx2_build_bit_for_bit(dtype, D):
+    """On CPUs with AVX512-VNNI the kernel loads its AVX-512 build, whose many-query-row tiles (a shared
+    prompt read by many samples) run the AVX2 build's chains 16 lanes a vector: every output equals the
+    AVX2 build's bit for bit, at pieces of 16-64 keys (tiny blocks, runs of adjacent blocks, chunks) and
+    every row-tile remainder, and both stay exact against the float64 reference."""
+    avx2 = bg.load_cpu_extension("forklm_paged_attention", ca._SOURCE)
+    wide = ca._extension()
+    assert avx2 is not wide and "vnni" in wide.__name__ and ca.loaded_build() == "AVX512-VNNI"
+    g, bs = 2, 16
+    for num_rows, p, shared, tail, chunk, adjacent in ((9, 6, 37, 30, 512, True), (31, 3, 9, 20, 48, False),
+                                                      (13, 2, 20, 70, 64, True), (5, 7, 4, 40, 512, False)):
+        rng = random.Random(num_rows * 31 + D)
+        num_blocks = shared + num_rows * (-(-tail // bs)) + 3
+        k_cache = (torch.randn(g, num_blocks * bs, D) * 1.5).to(dtype)
+        v_cache = torch.randn(g, num_blocks * bs, D).to(dtype)
+        items = random_items(rng, num_rows, num_blocks, bs, shared, tail, adjacent)
+        q = torch.randn(num_rows, g * p, D) * 2
+        plan = ca.plan_items(items, num_rows, bs)
+        args = (None, None, k_cache, v_cache, None, g * p, plan.num_rows, plan.rows_start, plan.rows, plan.blocks_start,
+                plan.blocks, plan.tokens, bs, 1.0 / math.sqrt(D), chunk)
+        a, b = avx2.paged_attention(q, *args), wide.paged_attention(q, *args)
+        assert torch.equal(a, b), (num_rows, p)
+        ref = ca.paged_attention_reference(q, k_cache, v_cache, items, bs)
+        assert rel_err(b, ref) < 2e-6

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from forklm.kernels.block_gemm import cpu_extension_error, load_cpu_extension
+from forklm.kernels.block_gemm import LOADED_BUILDS, cpu_extension_error, load_block_kernel_build
 from forklm.kernels.segment_attention import SegmentItem
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
@@ -37,7 +37,15 @@ CHUNK_TOKENS = 512  # keys per unit of thread work (an item's keys are split int
 
 @lru_cache(maxsize=1)
 def _extension():
-    return load_cpu_extension("forklm_paged_attention", _SOURCE)
+    # the block kernel's build rule: on CPUs with AVX512-VNNI the build with AVX-512, whose many-row
+    # tiles run 16 lanes a vector with the same chains as the AVX2 build's (the same bits), as the
+    # decode stack, which compiles this source into the block kernel's build, does
+    return load_block_kernel_build("forklm_paged_attention", _SOURCE)
+
+
+def loaded_build() -> str | None:
+    """"AVX512-VNNI" (the many-row tiles on 512-bit vectors) or "AVX2" once loaded, else None."""
+    return LOADED_BUILDS.get("forklm_paged_attention")
 
 
 @lru_cache(maxsize=1)
