@@ -734,7 +734,8 @@ def test_amx_switch_follows_the_environment():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_row_count_gives_each_row_its_lone_products_bit_for_bit(kind):
-    """Row counts take different tiles (4-row tiles, then 3, 2 or a lone row's own loop, paired
+    """Row counts take different tiles (8-row tiles in the VNNI build's 4- to 6-bit interleaved layouts,
+    4-row tiles, then 3, 2 or a lone row's own loop, paired
     activations for Q4_1-type blocks): every product, plain and fused, gives each row the bits that
     row gets alone, with an odd number of blocks (the last one alone) and against the slow reference."""
     for k in ((256, 768) if kind in K_KINDS else (160, 640)):
