@@ -22,15 +22,15 @@ REQUESTS = [  # (prompt, sampling params)
 ]
 
 
-# Known defect, open: on an AVX2-only AMD EPYC (2026-11-26) a preempted sample's recomputed rows get
-# other bits than its decode steps gave, so samples diverge from the unpreempted run (seen at the
-# commit before the GGUF-types work too, and on the block-kernel default path: tokens equal there in
-# one run, log-probabilities up to 0.23 apart, a token apart in another). Passing on the AVX-512 EPYCs;
-# on a 2-core Xeon with AVX512-VNNI (2026-11-28) it passed inside the full suite but failed run alone, at
-# cc6c176 (before that day's kernel changes) as after: the defect is not AVX2's alone.
+# Known defect, open (docs/design.md, "a row's bits depend on its step"): on the float32 dense path a
+# row's bits depend on the step around it (MKL's products change between 3 and 4 rows, prefill chunks
+# attend in PyTorch and decode rows in the C++ kernel, whose bits depend on how many rows read an item,
+# on the item split and on block placement), so a sample matches its lone run to float rounding only and
+# a draw near a CDF boundary can pick another token, with or without preemption or speculation (Zen 5,
+# 2026-12-02: passes as is, fails with ATEN_CPU_CAPABILITY=avx2; first seen on an AVX2-only EPYC).
 @pytest.mark.xfail(strict=False,
-                   reason="preempted samples' recomputed rows can differ from their decode steps "
-                          "(open defect, README 'Not here yet')")
+                   reason="a row's bits depend on its step on the float32 dense path (open defect, "
+                          "docs/design.md; README 'Not here yet')")
 @pytest.mark.parametrize("num_draft_tokens", [3, "auto"])
 def test_speculative_samples_equal_regular_ones_under_preemption_and_cancels(smollm2_f32, num_draft_tokens):
     from forklm.sampling.params import SamplingParams
