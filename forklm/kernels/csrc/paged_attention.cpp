@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -289,16 +290,17 @@ inline const float* widen_piece(const H* vp, int64_t n, int64_t D, std::vector<f
 }
 
 // Row tiles of 6 (12 accumulators, the two loaded vectors and a broadcast: 15 of AVX2's 16
-// registers), then 4, 3, 2 or 1 for the rest. Each row's sums run in the same order in any tile.
-template <typename F6, typename F4, typename F3, typename F2, typename F1>
-inline void by_rows(int64_t M, F6 f6, F4 f4, F3 f3, F2 f2, F1 f1) {
+// registers), then 4, 3, 2 or 1 for the rest: tile(std::integral_constant<int, MR>, m) for rows
+// [m, m + MR). Each row's sums run in the same order in any tile.
+template <typename F>
+inline void by_rows(int64_t M, F tile) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) f6(m);
-  for (; m + 4 <= M; m += 4) f4(m);
+  for (; m + 6 <= M; m += 6) tile(std::integral_constant<int, 6>{}, m);
+  for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m);
   switch (M - m) {
-    case 3: f3(m); break;
-    case 2: f2(m); break;
-    case 1: f1(m); break;
+    case 3: tile(std::integral_constant<int, 3>{}, m); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m); break;
+    case 1: tile(std::integral_constant<int, 1>{}, m); break;
     default: break;
   }
 }
@@ -329,21 +331,14 @@ void attend_unit(const float* q, int64_t M, int64_t D, const T* K, const T* V, c
       scores_direct(q, M, D, kp, n, NP, sp);
     } else {
       transpose_piece(kp, n, NP, D, kt.data());  // Kᵀ of the piece, zero columns past n
+      by_rows(M, [&](auto mr, int64_t m) {
+        constexpr int MR = decltype(mr)::value;
 #if defined(__AVX512F__)
-      by_rows(M,
-              [&](int64_t m) { scores_tile512<6>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-              [&](int64_t m) { scores_tile512<4>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-              [&](int64_t m) { scores_tile512<3>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-              [&](int64_t m) { scores_tile512<2>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-              [&](int64_t m) { scores_tile512<1>(q + m * D, D, kt.data(), NP, sp + m * NP); });
+        scores_tile512<MR>(q + m * D, D, kt.data(), NP, sp + m * NP);
 #else
-      by_rows(M,
-            [&](int64_t m) { scores_tile<6>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-            [&](int64_t m) { scores_tile<4>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-            [&](int64_t m) { scores_tile<3>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-            [&](int64_t m) { scores_tile<2>(q + m * D, D, kt.data(), NP, sp + m * NP); },
-              [&](int64_t m) { scores_tile<1>(q + m * D, D, kt.data(), NP, sp + m * NP); });
+        scores_tile<MR>(q + m * D, D, kt.data(), NP, sp + m * NP);
 #endif
+      });
     }
     const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t m = 0; m < M; ++m) {
@@ -372,28 +367,19 @@ void attend_unit(const float* q, int64_t M, int64_t D, const T* K, const T* V, c
     // value rows read by every row tile: widened once for the many-row units (faster at many query
     // rows; a few rows take the direct path: float16 rows widened as read)
     const auto pv = [&](const auto* vp) {
-      by_rows(M,
-              [&](int64_t m) { pv_tile<6>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile<4>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile<3>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile<2>(sp + m * NP, NP, n, vp, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile<1>(sp + m * NP, NP, n, vp, D, &acc[m * D]); });
+      by_rows(M, [&](auto mr, int64_t m) { pv_tile<decltype(mr)::value>(sp + m * NP, NP, n, vp, D, &acc[m * D]); });
     };
     const T* vraw = V + slot0 * D;
     if (M > DIRECT_MAX_ROWS) {
 #if defined(__AVX512F__)
       const float* vw = widen_piece(vraw, n, D, vf);
-      by_rows(M,
-              [&](int64_t m) { pv_tile512<6>(sp + m * NP, NP, n, vw, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile512<4>(sp + m * NP, NP, n, vw, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile512<3>(sp + m * NP, NP, n, vw, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile512<2>(sp + m * NP, NP, n, vw, D, &acc[m * D]); },
-              [&](int64_t m) { pv_tile512<1>(sp + m * NP, NP, n, vw, D, &acc[m * D]); });
+      by_rows(M, [&](auto mr, int64_t m) { pv_tile512<decltype(mr)::value>(sp + m * NP, NP, n, vw, D, &acc[m * D]); });
 #else
       pv(widen_piece(vraw, n, D, vf));
 #endif
-    } else
+    } else {
       pv(vraw);
+    }
     t += n;
   }
   for (int64_t m = 0; m < M; ++m) {
