@@ -101,6 +101,61 @@ def test_every_row_is_exact_on_its_own():
     torch.testing.assert_close(out[4].view(g * p, D), v_cache[:, 39 * bs].repeat_interleave(p, 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it_or_its_blocks_places(dtype):
+    """Batch invariance, bit for bit: one row's 700 keys (two chunks of 512 positions) read as its own
+    item alone; behind a prompt shared with 30 other rows (93 query vectors a KV head: the many-row
+    tiles); behind nested shared segments whose second spans the chunk boundary; with its blocks
+    scattered over the pool instead of adjacent; and with rows of other requests around it: the same
+    output every time, and exact against the float64 reference."""
+    g, p, D, bs, T = 3, 3, 64, 16, 700
+    nb = -(-T // bs)
+    pool = 4 * nb + 200
+    torch.manual_seed(11)
+    keys, values = (torch.randn(g, nb * bs, D) * 1.5).to(dtype), torch.randn(g, nb * bs, D).to(dtype)
+    q = torch.randn(1, g * p, D) * 2
+    others_q = torch.randn(60, g * p, D) * 2
+
+    def run(block_ids: list[int], shapes: list[tuple[int, int]], extra: int):
+        """The row's blocks at `block_ids`; `shapes` [(blocks, rows)] its shared segments in order, read
+        by it and `rows - 1` others; `extra` rows of another request beside them, on blocks of their own."""
+        k_cache, v_cache = torch.randn(g, pool * bs, D).to(dtype), torch.randn(g, pool * bs, D).to(dtype)
+        ids = torch.tensor(block_ids)
+        slot = (ids[:, None] * bs + torch.arange(bs)).reshape(-1)
+        k_cache[:, slot], v_cache[:, slot] = keys, values
+        items, start, next_row = [], 0, 1
+        for blocks, rows in shapes:
+            items.append(SegmentItem([0, *range(next_row, next_row + rows - 1)], block_ids[start : start + blocks],
+                                     blocks * bs))
+            start += blocks
+        rows_here = 1 + max((r for it in items for r in it.rows), default=0)
+        for r in range(1, rows_here):  # the other rows' tails: one token each, in a free block
+            items.append(SegmentItem([r], [pool - 1 - r], 1 + r % bs))
+        items.append(SegmentItem([0], block_ids[start:], T - start * bs))
+        for e in range(extra):
+            items.append(SegmentItem([rows_here + e], [pool - 100 - e], 1 + (5 + e) % bs))
+        num_rows = rows_here + extra
+        qq = torch.cat([q, others_q[: num_rows - 1]])
+        out = ca.paged_attention(qq, k_cache, v_cache, ca.plan_items(items, num_rows, bs), g * p)
+        mine = [SegmentItem([0], it.blocks, it.num_tokens) for it in items if 0 in it.rows]
+        ref = ca.paged_attention_reference(qq[:1], k_cache, v_cache, mine, bs)
+        assert rel_err(out[:1], ref) < 2e-6
+        return out[0]
+
+    adjacent = list(range(nb))
+    scattered = random.Random(3).sample(range(nb, 4 * nb), nb)
+    alone = run(adjacent, [], 0)
+    cases = {
+        "scattered": run(scattered, [], 0),
+        "shared by 31 rows": run(adjacent, [(20, 31)], 0),
+        "nested, across the chunk boundary": run(scattered, [(10, 41), (25, 10)], 0),
+        "two rows, beside another request": run(adjacent, [(43, 2)], 7),
+        "shared by 8 rows, beside another request": run(scattered, [(30, 8)], 20),
+    }
+    for name, got in cases.items():
+        assert torch.equal(got, alone), name
+
+
 def test_rope_and_cache_write_are_the_models_bit_for_bit():
     """With rotary tables the call rotates q and k exactly as `apply_rope` does, writes k and v to
     their slots (nothing else in the cache changes), then attends over the written cache."""
@@ -237,8 +292,9 @@ def test_auto_picks_the_cpu_kernel_for_float32_and_bfloat16():
 
 def test_bfloat16_engine_on_cpu_kernel_follows_torch_path():
     """A bfloat16 model: shared prompts, samples and chunked prefill beside decode rows on the C++ kernel
-    (float32 arithmetic over the bfloat16 cache) against PyTorch's bfloat16 attention: greedy samples'
-    tokens agree until a near-tie and their log-probabilities within bfloat16 rounding."""
+    (float32 arithmetic over the bfloat16 cache, prefill chunks included) against PyTorch's bfloat16
+    attention (bfloat16 arithmetic): greedy samples' tokens agree until a near-tie and their
+    log-probabilities within the two paths' bfloat16 rounding."""
     from conftest import tiny_llama
 
     from forklm.engine.engine import Engine, EngineConfig
@@ -259,11 +315,10 @@ def test_bfloat16_engine_on_cpu_kernel_follows_torch_path():
         outs[kernel] = [s for st in states for s in st.output.samples]
     agree = 0
     for a, b in zip(outs["torch"], outs["cpu"]):
-        assert a.token_ids[0] == b.token_ids[0]  # the first token comes from the prefill (the same path)
         for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
             if ta != tb:
                 break
-            assert la == pytest.approx(lb, abs=0.05)
+            assert la == pytest.approx(lb, abs=0.1)
             agree += 1
     assert agree >= 0.75 * sum(len(s.token_ids) for s in outs["torch"])
 

@@ -86,28 +86,42 @@ def test_as_stored_logits_close_to_the_float_path_of_the_same_file(zoo_llms, smo
                        if ref.model.weight_layout == "in_out" else ref.model.layers[3]["down"])
 
 
-def _first_samples(llm, n: int, k: int = 8) -> list[list[int]]:
-    out = llm.sample("Once upon a time", n=n, max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
-    return [s.token_ids for s in out.samples[:k]]
+# 220 tokens: 13 full blocks the samples share (read by 3 query vectors a KV head at n = 1, by 192 at n = 64)
+LONG = ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 12) + "def main():\n"
+SEEDED = dict(max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
+
+
+def _first_samples(llm, n: int, prompt: str, k: int = 8) -> list[tuple[list[int], list[float]]]:
+    out = llm.sample(prompt, n=n, **SEEDED)
+    return [(s.token_ids, s.logprobs) for s in out.samples[:k]]
 
 
 @pytest.mark.parametrize("which", ["default", "zoo"])
-def test_seeded_samples_do_not_depend_on_n_or_the_batch(which, zoo_llms):
-    """Sample i is the same for n = 1, 8, 24 and 64, and when other requests run beside it."""
+@pytest.mark.parametrize("prompt", ["Once upon a time", LONG])
+def test_seeded_samples_do_not_depend_on_n_the_batch_or_the_cache(which, prompt, zoo_llms):
+    """Sample i is the same, its log-probabilities bit for bit, for n = 1, 8, 24 and 64, with its prompt
+    cached or not, prefilled in one chunk or in several, and when other requests run beside it."""
     from forklm import LLM
+    from forklm.sampling.params import SamplingParams
 
     llm = LLM() if which == "default" else zoo_llms[0]
-    base = _first_samples(llm, 8)
-    assert _first_samples(llm, 1) == base[:1]
+    llm.clear_prefix_cache()
+    base = _first_samples(llm, 8, prompt)  # the prompt computed whole
+    assert _first_samples(llm, 8, prompt) == base  # its blocks from the prefix cache
+    assert _first_samples(llm, 1, prompt) == base[:1]
     for n in (24, 64):
-        assert _first_samples(llm, n) == base, n
+        assert _first_samples(llm, n, prompt) == base, n
     llm.clear_prefix_cache()
     outs = llm.generate([
-        {"prompt": "Once upon a time", "n": 8, "max_tokens": 12, "temperature": 0.8, "top_p": 0.95, "seed": 7},
+        {"prompt": prompt, "n": 8, **SEEDED},
         {"prompt": "def add(a, b):", "n": 20, "max_tokens": 9, "temperature": 1.0, "seed": 3},
-        {"prompt": "Once upon a time there", "n": 5, "max_tokens": 4, "temperature": 0.5, "seed": 1},
+        {"prompt": prompt[: len(prompt) // 2], "n": 5, "max_tokens": 4, "temperature": 0.5, "seed": 1},
     ])
-    assert [s.token_ids for s in outs[0].samples] == base
+    assert [(s.token_ids, s.logprobs) for s in outs[0].samples] == base
+    engine = llm.engine(max_batch_tokens=40)  # the prompt prefilled in chunks of up to 40 tokens
+    state = engine.add_request(llm.prompt_token_ids(prompt), SamplingParams(n=8, **SEEDED))
+    engine.run()
+    assert [(s.token_ids, s.logprobs) for s in state.output.samples] == base
 
 
 def test_engine_features_on_a_k_quant_file(kquant_gguf):
@@ -168,8 +182,8 @@ def test_a_low_bit_file_runs_whole_on_the_block_kernel_and_the_decode_stack(case
     assert abs(nll[0] - nll[1]) < 0.01 * nll[1]
     m.prepare_decode_stack()
     assert m._decode_stack is not None
-    base = _first_samples(llm, 8)
-    assert _first_samples(llm, 1) == base[:1] and _first_samples(llm, 24) == base
+    base = _first_samples(llm, 8, LONG)
+    assert _first_samples(llm, 1, LONG) == base[:1] and _first_samples(llm, 24, LONG) == base
     greedy = llm.sample("def add(a, b):", n=2, max_tokens=10, temperature=0.0)
     m._decode_stack = None  # the layer loop (the stack is a pure speed-up of it)
     loop = llm.sample("def add(a, b):", n=2, max_tokens=10, temperature=0.0)

@@ -22,15 +22,14 @@ REQUESTS = [  # (prompt, sampling params)
 ]
 
 
-# Known defect, open (docs/design.md, "a row's bits depend on its step"): on the float32 dense path a
-# row's bits depend on the step around it (MKL's products change between 3 and 4 rows, prefill chunks
-# attend in PyTorch and decode rows in the C++ kernel, whose bits depend on how many rows read an item,
-# on the item split and on block placement), so a sample matches its lone run to float rounding only and
-# a draw near a CDF boundary can pick another token, with or without preemption or speculation (Zen 5,
-# 2026-12-02: passes as is, fails with ATEN_CPU_CAPABILITY=avx2; first seen on an AVX2-only EPYC).
+# Known limit (docs/design.md, "Batch invariance"): on the float32 dense path a row's products go through
+# MKL, whose result for a row changes between 3 and 4 rows in the product, so a sample matches its lone
+# run to float rounding only and a draw near a CDF boundary can pick another token, with or without
+# preemption or speculation (first seen on an AVX2-only EPYC; passes as is on the Zen 4 / Zen 5 EPYCs
+# since the attention is batch-invariant, 2026-12-02).
 @pytest.mark.xfail(strict=False,
-                   reason="a row's bits depend on its step on the float32 dense path (open defect, "
-                          "docs/design.md; README 'Not here yet')")
+                   reason="on the float32 dense path a row's products depend on the rows beside it "
+                          "(docs/design.md 'Batch invariance'; README 'Not here yet')")
 @pytest.mark.parametrize("num_draft_tokens", [3, "auto"])
 def test_speculative_samples_equal_regular_ones_under_preemption_and_cancels(smollm2_f32, num_draft_tokens):
     from forklm.sampling.params import SamplingParams

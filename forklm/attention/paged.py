@@ -135,6 +135,7 @@ class StepPlan:
     num_shared_reads: int = 0  # shared-segment reads read once for several rows
     chunks: list[PrefillChunk] = field(default_factory=list)
     kernel_plan: object = None  # SegmentPlan (Triton) or CpuAttentionPlan (C++) when decode rows use one kernel
+    kernel_items: list = field(default_factory=list)  # the CpuAttentionPlan's items (C++: chunk rows' too)
 
     @property
     def segments(self) -> list[ExtraRead]:
@@ -228,6 +229,8 @@ class StepPlanner:
         if decode_rows and not self._advance(plan, decode_rows, decode_slots):
             self.rebuilds += 1
             self._plan_decode(plan, decode_rows, decode_slots)
+        if self.decode_kernel == "cpu" and chunks:
+            self._cpu_chunk_plan(plan, chunks, row)
         return plan
 
     def _advance(self, plan: StepPlan, rows: Sequence[DecodeRow], slots: list[int]) -> bool:
@@ -426,9 +429,31 @@ class StepPlanner:
         for i, r in enumerate(rows):  # each row's tail: its own blocks, current token included
             t = r.position
             items.append(SegmentItem((i,), r.block_table[tail_start[i] : t // bs + 1], t + 1 - tail_start[i] * bs))
+        plan.kernel_items = items
         plan.kernel_plan = plan_items(items, len(rows), bs)
         plan.extra = [ExtraRead(min(seg.rows), max(seg.rows) + 1, -1, 0, True) for seg in segments]
         plan.num_shared_reads = len(segments)
+
+    def _cpu_chunk_plan(self, plan: StepPlan, chunks: Sequence[tuple[Sequence[int], int, int]], num_rows: int) -> None:
+        """The C++ kernel's plan for every row of the step, the prefill chunks' included: a chunk's rows
+        in block b read blocks [0, b) of their table as one item (the prompt before them, read once for
+        the block's rows) and their own block up to themselves, so a prompt token attends in the
+        kernel's fixed order as a decode row at its position would, whatever the chunking, the cache
+        hits and the rows around it (the kernel writes the chunk's K/V before it attends)."""
+        from forklm.kernels.cpu_attention import plan_items
+        from forklm.kernels.segment_attention import SegmentItem
+
+        bs = self.block_size
+        items = list(plan.kernel_items)
+        for ch, (table, s0, s1) in zip(plan.chunks, chunks, strict=True):
+            for b in range(s0 // bs, (s1 - 1) // bs + 1):
+                first, last = max(s0, b * bs), min(s1, (b + 1) * bs)  # the chunk's positions in block b
+                rows = range(ch.row_start + first - s0, ch.row_start + last - s0)
+                if b:
+                    items.append(SegmentItem(rows, table[:b], b * bs))
+                items.extend(SegmentItem((r,), (table[b],), pos - b * bs + 1) for r, pos in zip(rows, range(first, last)))
+        plan.kernel_items = items
+        plan.kernel_plan = plan_items(items, num_rows, bs)
 
     def _kernel_plan(self, plan, rows, order, position_of, segments, tail_start) -> None:
         from forklm.kernels.segment_attention import SegmentItem, plan_segments
@@ -515,9 +540,9 @@ class PagedAttention:
 
     @property
     def fuses_rope(self) -> bool:
-        """Whether `attend_qkv` runs this step: all rows decode rows, on the CPU kernel (never on a
-        latent pool, whose V is its K: the fused kernel writes both)."""
-        return isinstance(self.plan.kernel_plan, CpuAttentionPlan) and not self.plan.chunks and not self.kv.shares_values
+        """Whether `attend_qkv` runs this step: every row (decode rows and prefill chunks alike) on
+        the CPU kernel (never on a latent pool, whose V is its K: the fused kernel writes both)."""
+        return isinstance(self.plan.kernel_plan, CpuAttentionPlan) and not self.kv.shares_values
 
     def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotary, K/V write and attention in one call (`fuses_rope` steps): qkv [T, (h + 2g)·D] float32
@@ -546,6 +571,12 @@ class PagedAttention:
         T, h, D = q.shape
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         self.kv.write(layer, plan.write_slots, k, v)
+        if isinstance(plan.kernel_plan, CpuAttentionPlan):  # every row, the chunks' too, in one C++ call
+            from forklm.kernels.cpu_attention import paged_attention
+
+            # float32 arithmetic whatever the model's dtype (a bfloat16 model's queries widened exactly)
+            o = paged_attention(q.float(), self.kv.k[layer], self.kv.v[layer], plan.kernel_plan, h, scale)
+            return o.view(T, h, D).to(q.dtype)
         parts = []
         B = plan.num_decode
         if B:

@@ -7,13 +7,18 @@
 // blocks holding `tokens` tokens, read by a set of rows. A shared prompt is one item listing every
 // sample that shares it (its K/V read once for all of them: the rows' p = h / g query heads of a KV
 // head are M = rows·p query vectors against the same keys, the bifurcated product); each row's own
-// tail is an item of its own. Long items are split along the keys into chunks (units of work for
-// the threads); every unit (item, KV head, chunk) yields per query vector a normalized partial
-// output and its log-sum-exp, and each (row, head) merges its partials in a fixed order:
-//   lse = log Σ exp(lse_u),  o = Σ exp(lse_u − lse) o_u            (docs/design.md)
-// Inside a unit, keys go in pieces of consecutive slots (up to 64) with an online softmax:
-//   S = (scale·Q) Kᵀ [M, n], m' = max(m, rowmax S), P = exp(S − m'), l = l·e^(m−m') + ΣP,
-//   acc = acc·e^(m−m') + P V.
+// tail is an item of its own.
+//
+// Batch invariance: a row's output depends on its keys and their positions alone, never on the rows
+// beside it, how its keys are split into items or where its blocks lie in the pool. So a row's keys
+// go in chunks at fixed positions [k·C, (k + 1)·C) of its sequence (the units of thread work: item,
+// KV head, the item's part of a chunk); a chunk that spans two items runs as two units, the second
+// continuing the first's state. Inside a chunk, the online softmax decides one KV block at a time
+// (`attend_range`): S = (scale·Q) Kᵀ [M, n]; where the block's max passes m by a margin, m' = that max,
+// acc = acc·e^(m−m'), l = l·e^(m−m'); then P = exp(S − m'), l = l + ΣP (the block's sum), acc = acc + P V;
+// every score in one order whatever M (`scores_rows`), every value's chain over the keys in key
+// order. Each (row, head) merges its chunks in chunk order:
+//   lse_k = m_k + log l_k,  o = Σ exp(lse_k − lse) acc_k / l_k            (docs/design.md)
 // Rotary: out[i] = x[i]·cos[i] + x[(i + D/2) mod D]·sin_signed[i] with sin_signed = [−sin₁, sin₂],
 // two products and a sum each rounded (built with -ffp-contract=off): bit for bit the model's
 // `apply_rope` in PyTorch.
@@ -35,7 +40,6 @@
 
 namespace {
 
-constexpr int64_t PIECE = 64;  // keys per piece of the online softmax (consecutive slots)
 
 using forklm::exp8;
 using forklm::hmax;
@@ -82,31 +86,112 @@ struct Items {
   int64_t num_items;
 };
 
-struct Unit {
-  int32_t item, head, n0, n1;  // KV head `head`, keys [n0, n1) of the item
-  int64_t part;                // first partial vector of the unit (M of them)
-};
+// The one order every score is computed in, whatever the number of query rows, the tile or the
+// build (so a row's scores never depend on the rows beside it): 8 lanes over d (lane i sums
+// d = i, i + 8, ... in d order, one FMA chain each), then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+inline float tree_sum(__m256 a) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, a), _mm256_hadd_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
 
-// S[m, 0:NP] = Q[m] · Kt[:, 0:NP] for MR query rows, Kt [D, NP] (NP a multiple of 16).
-template <int MR>
-inline void scores_tile(const float* q, int64_t D, const float* kt, int64_t NP, float* s) {
-  for (int64_t n = 0; n < NP; n += 16) {
-    __m256 a0[MR], a1[MR];
-    for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(kt + d * NP + n), k1 = _mm256_loadu_ps(kt + d * NP + n + 8);
+// S[m, j] = Q[m] · K[j] for MR query rows (D apart) against n keys (rows D apart, straight from the
+// cache), in the order above: 4 keys at a time, MR·4 accumulators, the 4 keys' vectors loaded once
+// for the MR rows; two hadds reduce a row's 4 scores at once, in the same pairs as tree_sum.
+template <int MR, typename T>
+inline void scores_rows(const float* q, int64_t D, const T* kp, int64_t n, int64_t NP, float* s) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* k = kp + j * D;
+    __m256 a[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 k0 = load8(k + d), k1 = load8(k + D + d), k2 = load8(k + 2 * D + d), k3 = load8(k + 3 * D + d);
       for (int i = 0; i < MR; ++i) {
-        const __m256 qb = _mm256_broadcast_ss(q + i * D + d);
-        a0[i] = _mm256_fmadd_ps(qb, k0, a0[i]);
-        a1[i] = _mm256_fmadd_ps(qb, k1, a1[i]);
+        const __m256 qv = _mm256_loadu_ps(q + i * D + d);
+        a[i][0] = _mm256_fmadd_ps(qv, k0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qv, k1, a[i][1]);
+        a[i][2] = _mm256_fmadd_ps(qv, k2, a[i][2]);
+        a[i][3] = _mm256_fmadd_ps(qv, k3, a[i][3]);
       }
     }
     for (int i = 0; i < MR; ++i) {
-      _mm256_storeu_ps(s + i * NP + n, a0[i]);
-      _mm256_storeu_ps(s + i * NP + n + 8, a1[i]);
+      // lanes [a0 a1 a2 a3] of the low half plus those of the high half
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+      _mm_storeu_ps(s + i * NP + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
     }
   }
+  for (; j < n; ++j)
+    for (int i = 0; i < MR; ++i) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + d), load8(kp + j * D + d), a);
+      s[i * NP + j] = tree_sum(a);
+    }
 }
+
+// Query rows a scores tile takes: AVX2's 16 vector registers hold 2 rows' 8 accumulators, the 4 keys
+// and a query vector.
+constexpr int SCORE_ROWS = 2;
+
+#if defined(__AVX512F__)
+// The same scores two query rows a 512-bit vector (the AVX-512 build): lanes 0-7 row 2i, 8-15 row
+// 2i + 1, each lane the same FMA chain over d as scores_rows', the key's 8 values in both halves; the
+// halves reduced by the same hadds. q2: the rows' values paired, [MP][D / 8][16] (`pair_rows`).
+inline __m512 load8x2(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+template <typename T>
+inline __m512 load8x2(const T* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(p))));
+}
+inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+template <int MP, typename T>
+inline void scores_pairs(const float* q2, int64_t D, const T* kp, int64_t n, int64_t NP, float* s) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* k = kp + j * D;
+    __m512 a[MP][4];
+    for (int i = 0; i < MP; ++i)
+      for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m512 k0 = load8x2(k + d), k1 = load8x2(k + D + d), k2 = load8x2(k + 2 * D + d), k3 = load8x2(k + 3 * D + d);
+      for (int i = 0; i < MP; ++i) {
+        const __m512 qv = _mm512_loadu_ps(q2 + i * 2 * D + 2 * d);
+        a[i][0] = _mm512_fmadd_ps(qv, k0, a[i][0]);
+        a[i][1] = _mm512_fmadd_ps(qv, k1, a[i][1]);
+        a[i][2] = _mm512_fmadd_ps(qv, k2, a[i][2]);
+        a[i][3] = _mm512_fmadd_ps(qv, k3, a[i][3]);
+      }
+    }
+    for (int i = 0; i < MP; ++i) {
+      const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(_mm512_castps512_ps256(a[i][0]), _mm512_castps512_ps256(a[i][1])),
+                                       _mm256_hadd_ps(_mm512_castps512_ps256(a[i][2]), _mm512_castps512_ps256(a[i][3])));
+      const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(high8(a[i][0]), high8(a[i][1])),
+                                       _mm256_hadd_ps(high8(a[i][2]), high8(a[i][3])));
+      _mm_storeu_ps(s + 2 * i * NP + j, _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1)));
+      _mm_storeu_ps(s + (2 * i + 1) * NP + j, _mm_add_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps(hi, 1)));
+    }
+  }
+  for (; j < n; ++j)
+    for (int i = 0; i < MP; ++i) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i * 2 * D + 2 * d), load8x2(kp + j * D + d), a);
+      s[2 * i * NP + j] = tree_sum(_mm512_castps512_ps256(a));
+      s[(2 * i + 1) * NP + j] = tree_sum(high8(a));
+    }
+}
+
+// q [M, D] -> q2 [M / 2][D / 8][16]: rows 2i and 2i + 1 side by side, 8 values of each at a time.
+inline void pair_rows(const float* q, int64_t M, int64_t D, float* q2) {
+  for (int64_t i = 0; i + 1 < M; i += 2)
+    for (int64_t d = 0; d < D; d += 8) {
+      std::copy(q + i * D + d, q + i * D + d + 8, q2 + i * D + 2 * d);
+      std::copy(q + (i + 1) * D + d, q + (i + 1) * D + d + 8, q2 + i * D + 2 * d + 8);
+    }
+}
+constexpr int SCORE_PAIRS = 6;  // 24 accumulators, 4 keys, a query vector: 29 of the 32 registers
+#endif
 
 // acc[m, :] += P[m, 0:n] · V[0:n, :] for MR <= 3 rows, 32 of the D values a pass: 4·MR chains in flight
 // (pv_tile's 16-value passes give 2·MR, which wait on the FMA latency when MR is small: a one-sample step's
@@ -157,72 +242,10 @@ inline void pv_tile(const float* p, int64_t NP, int64_t n, const T* v, int64_t D
   }
 }
 
-// S[m, j] = Q[m] · K[j] for all M query rows against n keys (rows D apart), straight from the cache
-// (no transposed copy: for few query rows the copy would cost more than the products). Four keys at
-// a time per query row: four independent FMA chains, reduced into the four scores with two hadds.
-template <typename T>
-inline void scores_direct(const float* q, int64_t M, int64_t D, const T* kp, int64_t n, int64_t NP, float* s) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* qm = q + m * D;
-    float* sm = s + m * NP;
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const T* k = kp + j * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qm + d);
-        a0 = _mm256_fmadd_ps(qv, load8(k + d), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(k + D + d), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(k + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(k + 3 * D + d), a3);
-      }
-      // hadd twice: lanes [a0 a1 a2 a3] of the low half plus those of the high half
-      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      _mm_storeu_ps(sm + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-    }
-    for (; j < n; ++j) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qm + d), load8(kp + j * D + d), a);
-      sm[j] = hsum(a);
-    }
-  }
-}
-
 #if defined(__AVX512F__)
-// The 512-bit forms of scores_tile and pv_tile (the build with AVX-512, on CPUs with AVX512-VNNI: the
-// block kernel's VNNI build rule): 16 lanes a vector, up to 4 vectors across. Each score is the same
-// FMA chain over d and each value the same chain over the keys, in the same order, as the 256-bit
-// tiles': the same bits, with half the instructions.
-template <int MR, int NV>
-inline void scores_tile512_cols(const float* q, int64_t D, const float* kt, int64_t NP, float* s, int64_t n) {
-  __m512 a[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int k = 0; k < NV; ++k) a[i][k] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m512 kv[NV];
-    for (int k = 0; k < NV; ++k) kv[k] = _mm512_loadu_ps(kt + d * NP + n + 16 * k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 qb = _mm512_set1_ps(q[i * D + d]);
-      for (int k = 0; k < NV; ++k) a[i][k] = _mm512_fmadd_ps(qb, kv[k], a[i][k]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int k = 0; k < NV; ++k) _mm512_storeu_ps(s + i * NP + n + 16 * k, a[i][k]);
-}
-
-// S[m, 0:NP] = Q[m] · Kt[:, 0:NP] for MR <= 6 query rows (MR·4 accumulators, 4 keys' vectors, a broadcast).
-template <int MR>
-inline void scores_tile512(const float* q, int64_t D, const float* kt, int64_t NP, float* s) {
-  int64_t n = 0;
-  for (; n + 64 <= NP; n += 64) scores_tile512_cols<MR, 4>(q, D, kt, NP, s, n);
-  switch ((NP - n) / 16) {
-    case 3: scores_tile512_cols<MR, 3>(q, D, kt, NP, s, n); break;
-    case 2: scores_tile512_cols<MR, 2>(q, D, kt, NP, s, n); break;
-    case 1: scores_tile512_cols<MR, 1>(q, D, kt, NP, s, n); break;
-    default: break;
-  }
-}
-
+// The 512-bit form of pv_tile (the build with AVX-512, on CPUs with AVX512-VNNI: the block kernel's
+// VNNI build rule): 16 lanes a vector, up to 4 vectors across. Each value is the same FMA chain over
+// the keys, in the same order, as the 256-bit tiles': the same bits, with half the instructions.
 template <int MR, int NV>
 inline void pv_tile512_cols(const float* p, int64_t NP, int64_t n, const float* v, int64_t D, float* acc, int64_t d) {
   __m512 a[MR][NV];
@@ -249,37 +272,9 @@ inline void pv_tile512(const float* p, int64_t NP, int64_t n, const float* v, in
 }
 #endif
 
-constexpr int64_t DIRECT_MAX_ROWS = 24;  // up to this many query rows a unit scores keys straight from the cache
+constexpr int64_t DIRECT_MAX_ROWS = 24;  // up to this many query rows a unit reads a float16 block's values as stored
 
-// Kt[d, j] = K[j, d] for the piece's n keys (rows D apart), zero columns j in [n, NP): 8 x 8 blocks
-// transposed in registers (the values as stored, widened to float32 exactly).
-template <typename T>
-inline void transpose_piece(const T* kp, int64_t n, int64_t NP, int64_t D, float* kt) {
-  for (int64_t j = 0; j < NP; j += 8)
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 r[8];
-      for (int k = 0; k < 8; ++k) r[k] = j + k < n ? load8(kp + (j + k) * D + d) : _mm256_setzero_ps();
-      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-      float* o = kt + d * NP + j;
-      _mm256_storeu_ps(o + 0 * NP, _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_storeu_ps(o + 1 * NP, _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_storeu_ps(o + 2 * NP, _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_storeu_ps(o + 3 * NP, _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_storeu_ps(o + 4 * NP, _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_storeu_ps(o + 5 * NP, _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_storeu_ps(o + 6 * NP, _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_storeu_ps(o + 7 * NP, _mm256_permute2f128_ps(u3, u7, 0x31));
-    }
-}
-
-// The piece's n value rows as float32 (exact widening of a float16 cache), converted once for all
+// The block's n value rows as float32 (exact widening of a float16 cache), converted once for all
 // of a unit's row tiles instead of once per tile.
 inline const float* widen_piece(const float* vp, int64_t, int64_t, std::vector<float>&) { return vp; }
 template <typename H>
@@ -305,87 +300,144 @@ inline void by_rows(int64_t M, F tile) {
   }
 }
 
-// One unit: M = rows·p query vectors (scaled, [M, D]) over keys [n0, n1) of the item in KV head j.
-// Writes the normalized output [M, D] and the log-sum-exp [M].
+// Tiles of R rows, then R − 1, ... for the rest: tile(std::integral_constant<int, MR>, m) for rows [m, m + MR).
+template <int R, typename F>
+inline void by_rows_of(int64_t M, int64_t m, F tile) {
+  for (; m + R <= M; m += R) tile(std::integral_constant<int, R>{}, m);
+  if constexpr (R > 1)
+    if (m < M) by_rows_of<R - 1>(M, m, tile);
+}
+
+// How far a block's largest score may pass the running reference before the state is rescaled to it:
+// P = exp(S − m) stays below e^8 (float32 holds the sums easily) and rescales become rare, so a row's
+// value chains run unbroken over many blocks.
+constexpr float RESCALE_MARGIN = 8.f;
+
+// Keys [n0, n1) of an item for M query vectors (scaled, [M, D]) in one KV head, continuing the online
+// softmax state the caller holds: acc [M, D] (unnormalized), mx [M] (the reference the exps are taken
+// from), l [M, 8] (their sum in 8 lanes, a block's key j in lane j mod 8, added up at the merge).
+// Every decision is taken per KV block, from that block's keys alone: its scores, whether one passes
+// mx + RESCALE_MARGIN (then, and at the first block, mx moves to the block's largest and acc, l are
+// rescaled), its exps (added to l); each value's chain over the keys runs in key order, broken only
+// where a row is rescaled. So a row's result depends on its keys and the block boundaries
+// alone, never on how many rows share the unit, where the blocks lie in the pool (adjacent blocks are
+// read as one piece of up to 64 keys, as fast) or which unit ran the keys before.
 template <typename T>
-void attend_unit(const float* q, int64_t M, int64_t D, const T* K, const T* V, const int32_t* blocks,
-                 int64_t bs, int64_t n0, int64_t n1, float* out, float* lse) {
-  thread_local std::vector<float> kt, s, acc, mx, l, vf;
-  kt.resize(D * PIECE);
-  s.resize(M * PIECE);
-  acc.assign(M * D, 0.f);
-  mx.assign(M, -std::numeric_limits<float>::infinity());
-  l.assign(M, 0.f);
-  int64_t t = n0;
-  while (t < n1) {
-    // a piece: keys in consecutive slots (blocks adjacent in the pool), at most PIECE of them
+void attend_range(const float* q, int64_t M, int64_t D, const T* K, const T* V, const int32_t* blocks,
+                  int64_t bs, int64_t n0, int64_t n1, float* acc, float* mx, float* l) {
+  constexpr int64_t PIECE = 64;  // keys a piece may hold (runs of adjacent blocks)
+  thread_local std::vector<float> s, vf, alpha, q2;
+#if defined(__AVX512F__)
+  q2.resize(M / 2 * 2 * D);
+  pair_rows(q, M, D, q2.data());
+#endif
+  const int64_t cap = std::max<int64_t>(PIECE, (bs + 7) / 8 * 8);
+  s.resize(M * cap);
+  const int64_t max_blocks = cap / std::max<int64_t>(bs, 1) + 2;
+  alpha.resize(M * max_blocks);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = n0; t < n1;) {
+    // a piece: the rest of this block, then (blocks of a multiple of 8 keys) adjacent blocks up to PIECE keys
     const int64_t slot0 = static_cast<int64_t>(blocks[t / bs]) * bs + t % bs;
     int64_t n = std::min(bs - t % bs, n1 - t);
-    while (n < PIECE && t + n < n1 && static_cast<int64_t>(blocks[(t + n) / bs]) * bs == slot0 + n)
-      n += std::min(bs, n1 - t - n);
-    n = std::min(n, PIECE);
-    const int64_t NP = (n + 15) / 16 * 16;
+    if (bs % 8 == 0 && t % bs == 0)
+      while (n + bs <= PIECE && t + n < n1 && static_cast<int64_t>(blocks[(t + n) / bs]) * bs == slot0 + n)
+        n += std::min(bs, n1 - t - n);
+    const int64_t NP = (n + 7) / 8 * 8;
+    const int64_t nb = t % bs == 0 ? (n + bs - 1) / bs : 1;  // the piece's blocks (parts of blocks)
     const T* kp = K + slot0 * D;
     float* sp = s.data();
-    if (M <= DIRECT_MAX_ROWS) {
-      scores_direct(q, M, D, kp, n, NP, sp);
-    } else {
-      transpose_piece(kp, n, NP, D, kt.data());  // Kᵀ of the piece, zero columns past n
-      by_rows(M, [&](auto mr, int64_t m) {
-        constexpr int MR = decltype(mr)::value;
+    // the scores, a float16 block's keys widened as read (a float32 copy for many rows measured slower)
+    const auto scores = [&](const auto* keys) {
 #if defined(__AVX512F__)
-        scores_tile512<MR>(q + m * D, D, kt.data(), NP, sp + m * NP);
+      if (M > 1) {  // two rows a vector, then the odd row
+        by_rows_of<SCORE_PAIRS>(M / 2, 0, [&](auto mp, int64_t i) {
+          scores_pairs<decltype(mp)::value>(q2.data() + 2 * i * D, D, keys, n, NP, sp + 2 * i * NP);
+        });
+      }
+      if (M % 2) scores_rows<1>(q + (M - 1) * D, D, keys, n, NP, sp + (M - 1) * NP);
 #else
-        scores_tile<MR>(q + m * D, D, kt.data(), NP, sp + m * NP);
-#endif
+      by_rows_of<SCORE_ROWS>(M, 0, [&](auto mr, int64_t m) {
+        scores_rows<decltype(mr)::value>(q + m * D, D, keys, n, NP, sp + m * NP);
       });
-    }
-    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+#endif
+    };
+    scores(kp);
     for (int64_t m = 0; m < M; ++m) {
       float* row = sp + m * NP;
       for (int64_t j = n; j < NP; ++j) row[j] = -std::numeric_limits<float>::infinity();
-      __m256 vmax = ninf;
-      for (int64_t j = 0; j < NP; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + j));
-      const float rmax = hmax(vmax);  // a NaN score spreads through P below
-      const float m_new = std::max(mx[m], rmax);
-      const float alpha = std::exp(mx[m] - m_new);  // mx = -inf at first: 0
-      const __m256 mb = _mm256_set1_ps(m_new);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < NP; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mb));
-        _mm256_storeu_ps(row + j, e);
-        sum = _mm256_add_ps(sum, e);
+      __m256 lv = _mm256_loadu_ps(l + m * 8);
+      float ref = mx[m];
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t j0 = b * bs, j1 = std::min(n, j0 + (nb == 1 ? n : bs)), J1 = (j1 + 7) / 8 * 8;
+        // rescale where a score of the block passes ref + RESCALE_MARGIN (or is NaN), and at the first block
+        bool over = ref == -std::numeric_limits<float>::infinity();
+        if (!over) {
+          const __m256 th = _mm256_set1_ps(ref + RESCALE_MARGIN);
+          int mask = 0;
+          for (int64_t j = j0; j < J1; j += 8) mask |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), th, _CMP_NLE_UQ));
+          over = mask != 0;
+        }
+        float a = 1.f;
+        if (over) {
+          __m256 vmax = ninf;
+          for (int64_t j = j0; j < J1; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + j));
+          const float m_new = std::max(ref, hmax(vmax));  // a NaN score spreads through P below
+          a = std::exp(ref - m_new);  // ref = -inf at first: 0
+          ref = m_new;
+          lv = _mm256_mul_ps(lv, _mm256_set1_ps(a));
+        }
+        alpha[m * max_blocks + b] = a;
+        const __m256 mb = _mm256_set1_ps(ref);
+        for (int64_t j = j0; j < J1; j += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mb));
+          _mm256_storeu_ps(row + j, e);
+          lv = _mm256_add_ps(lv, e);
+        }
       }
-      l[m] = l[m] * alpha + hsum(sum);
-      mx[m] = m_new;
-      if (alpha != 1.f) {
-        const __m256 ab = _mm256_set1_ps(alpha);
-        for (int64_t d = 0; d < D; d += 8)
-          _mm256_storeu_ps(&acc[m * D + d], _mm256_mul_ps(ab, _mm256_loadu_ps(&acc[m * D + d])));
-      }
+      _mm256_storeu_ps(l + m * 8, lv);
+      mx[m] = ref;
     }
-    // value rows read by every row tile: widened once for the many-row units (faster at many query
-    // rows; a few rows take the direct path: float16 rows widened as read)
-    const auto pv = [&](const auto* vp) {
-      by_rows(M, [&](auto mr, int64_t m) { pv_tile<decltype(mr)::value>(sp + m * NP, NP, n, vp, D, &acc[m * D]); });
-    };
+    // P·V: each row tile's chains over the piece's keys, broken at the blocks where one of its rows is
+    // rescaled. Value rows read by every row tile: widened once for the many-row units (faster at many
+    // query rows; a few rows read float16 values widened as read). Every tile runs each value's chain
+    // in key order: the same bits.
     const T* vraw = V + slot0 * D;
+    const auto pv_rows = [&](auto mr, int64_t m, const auto* vp, auto tile) {
+      constexpr int MR = decltype(mr)::value;
+      int64_t j0 = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        bool rescale = false;
+        for (int i = 0; i < MR; ++i) rescale |= alpha[(m + i) * max_blocks + b] != 1.f;
+        if (!rescale) continue;
+        const int64_t jb = b * bs;
+        if (jb > j0) tile(mr, sp + m * NP + j0, NP, jb - j0, vp + j0 * D, D, &acc[m * D]);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 ab = _mm256_set1_ps(alpha[(m + i) * max_blocks + b]);
+          for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(&acc[(m + i) * D + d], _mm256_mul_ps(ab, _mm256_loadu_ps(&acc[(m + i) * D + d])));
+        }
+        j0 = jb;
+      }
+      tile(mr, sp + m * NP + j0, NP, n - j0, vp + j0 * D, D, &acc[m * D]);
+    };
+    const auto pv256 = [](auto mr, const float* p, int64_t np, int64_t k, const auto* v, int64_t d, float* a) {
+      pv_tile<decltype(mr)::value>(p, np, k, v, d, a);
+    };
     if (M > DIRECT_MAX_ROWS) {
-#if defined(__AVX512F__)
       const float* vw = widen_piece(vraw, n, D, vf);
-      by_rows(M, [&](auto mr, int64_t m) { pv_tile512<decltype(mr)::value>(sp + m * NP, NP, n, vw, D, &acc[m * D]); });
+#if defined(__AVX512F__)
+      const auto pv512 = [](auto mr, const float* p, int64_t np, int64_t k, const float* v, int64_t d, float* a) {
+        pv_tile512<decltype(mr)::value>(p, np, k, v, d, a);
+      };
+      by_rows(M, [&](auto mr, int64_t m) { pv_rows(mr, m, vw, pv512); });
 #else
-      pv(widen_piece(vraw, n, D, vf));
+      by_rows(M, [&](auto mr, int64_t m) { pv_rows(mr, m, vw, pv256); });
 #endif
     } else {
-      pv(vraw);
+      by_rows(M, [&](auto mr, int64_t m) { pv_rows(mr, m, vraw, pv256); });
     }
     t += n;
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    const float inv = 1.f / l[m];
-    for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + d] * inv;
-    lse[m] = mx[m] + std::log(l[m]);
   }
 }
 
@@ -477,83 +529,151 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
   if (num_rows == 0) return o;
   TORCH_CHECK(I > 0, "the plan has ", num_rows, " rows and no item: every row must read at least one");
 
-  // units of work: (item, KV head, chunk of keys)
-  std::vector<Unit> units;
-  std::vector<int64_t> item_unit(I + 1), item_chunks(I);
-  const int64_t chunk = std::max<int64_t>(chunk_tokens, bs) / bs * bs;
-  int64_t parts = 0;
-  for (int64_t i = 0; i < I; ++i) {
-    item_unit[i] = static_cast<int64_t>(units.size());
-    const int64_t M = (it.rows_start[i + 1] - it.rows_start[i]) * p, n = it.tokens[i];
-    item_chunks[i] = (n + chunk - 1) / chunk;
-    for (int64_t j = 0; j < g; ++j)
-      for (int64_t n0 = 0; n0 < n; n0 += chunk) {
-        units.push_back(Unit{static_cast<int32_t>(i), static_cast<int32_t>(j), static_cast<int32_t>(n0),
-                             static_cast<int32_t>(std::min(n, n0 + chunk)), parts});
-        parts += M;
-      }
-  }
-  item_unit[I] = static_cast<int64_t>(units.size());
-  std::vector<float> part_o(parts * D), part_lse(parts);
-  const float* qp = q.data_ptr<float>();
-  const int64_t U = static_cast<int64_t>(units.size());
-  const int nt = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(U)));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-  for (int64_t u = 0; u < U; ++u) {
-    const Unit& un = units[u];
-    const int64_t r0 = it.rows_start[un.item], r1 = it.rows_start[un.item + 1], M = (r1 - r0) * p;
-    thread_local std::vector<float> qs;
-    qs.resize(M * D);  // the unit's query vectors, scaled: row r's heads j·p .. j·p + p − 1
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t e = 0; e < p; ++e) {
-        const float* src = qp + (static_cast<int64_t>(it.rows[r]) * h + un.head * p + e) * D;
-        float* dst = qs.data() + ((r - r0) * p + e) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
-      }
-    attend_unit(qs.data(), M, D, K + un.head * S * D, V + un.head * S * D, it.blocks + it.blocks_start[un.item], bs,
-                un.n0, un.n1, part_o.data() + un.part * D, part_lse.data() + un.part);
-  }
-
-  // each row's items, in item order (the merge order)
+  // Each row's items, in item order: its keys are their keys one after the other, so an item starts at
+  // the same key position for each of its rows (the engine's plans: shared segments, then the tail).
   std::vector<int64_t> row_count(num_rows + 1, 0);
   for (int64_t i = 0; i < I; ++i)
     for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; ++r) ++row_count[it.rows[r] + 1];
   for (int64_t r = 0; r < num_rows; ++r) row_count[r + 1] += row_count[r];
-  std::vector<int64_t> fill(row_count.begin(), row_count.end() - 1), row_item(row_count[num_rows]), row_pos(row_count[num_rows]);
+  std::vector<int64_t> fill(row_count.begin(), row_count.end() - 1), row_item(row_count[num_rows]);
   for (int64_t i = 0; i < I; ++i)
-    for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; ++r) {
-      const int64_t at = fill[it.rows[r]]++;
-      row_item[at] = i;
-      row_pos[at] = r - it.rows_start[i];
+    for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; ++r) row_item[fill[it.rows[r]]++] = i;
+  // Keys go in chunks at fixed key positions [k·C, (k + 1)·C) of a row's sequence, each with its own
+  // online-softmax state, merged at the end in chunk order: the same chunks, states and merge whatever
+  // rows share the row's items. An item's chunk that began in the row's previous item continues that
+  // item's state (so it runs after it: units run in phases by the item's place in its rows' lists).
+  const int64_t C = std::max<int64_t>(chunk_tokens, bs) / bs * bs;
+  std::vector<int64_t> item_start(I, -1), item_depth(I, -1), row_chunk0(num_rows + 1, 0);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    TORCH_CHECK(row_count[r + 1] > row_count[r], "row ", r, " reads no item");
+    int64_t pos = 0;
+    for (int64_t at = row_count[r]; at < row_count[r + 1]; ++at) {
+      const int64_t i = row_item[at], depth = at - row_count[r];
+      if (item_start[i] < 0) {
+        item_start[i] = pos;
+        item_depth[i] = depth;
+      }
+      TORCH_CHECK(item_start[i] == pos && item_depth[i] == depth, "item ", i,
+                  " must follow the same items in every row that reads it");
+      pos += it.tokens[i];
     }
-  for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(row_count[r + 1] > row_count[r], "row ", r, " reads no item");
+    row_chunk0[r + 1] = row_chunk0[r] + (pos + C - 1) / C;
+  }
+  struct Unit {
+    int32_t item, head, n0, n1;  // KV head `head`, keys [n0, n1) of the item: one chunk's part
+    int32_t r0, r1;              // the item's rows it_rows[r0:r1] (all of them, or a share: see below)
+    int64_t chunk;               // the chunk's index in its rows' sequences
+    bool resume;                 // the chunk began in the rows' previous item: continue its state
+  };
+  std::vector<std::vector<Unit>> phases(1);
+  for (int64_t i = 0; i < I; ++i) {
+    const int64_t A = item_start[i], n = it.tokens[i];
+    for (int64_t n0 = 0; n0 < n;) {
+      const int64_t k = (A + n0) / C, n1 = std::min(n, (k + 1) * C - A);
+      const bool resume = (A + n0) % C != 0;
+      const size_t ph = resume ? static_cast<size_t>(item_depth[i]) : 0;
+      if (phases.size() <= ph) phases.resize(ph + 1);
+      for (int64_t j = 0; j < g; ++j)
+        phases[ph].push_back(Unit{static_cast<int32_t>(i), static_cast<int32_t>(j), static_cast<int32_t>(n0),
+                                  static_cast<int32_t>(n1), it.rows_start[i], it.rows_start[i + 1], k, resume});
+      n0 = n1;
+    }
+  }
+  // the states: acc [D] (unnormalized), running max and sum per (row, chunk, query head)
+  const int64_t states = row_chunk0[num_rows] * h;
+  std::vector<float> st_acc(states * D), st_mx(states), st_l(states * 8);
+  // A phase of few units (one shared prompt's, before its rows' tails) would leave threads idle at its
+  // end: its many-row units are shared out by rows (rows never change each other's results).
+  const int threads = std::max(1, at::get_num_threads());
+  for (std::vector<Unit>& units : phases) {
+    const int64_t U = static_cast<int64_t>(units.size());
+    if (U == 0 || U >= 4 * threads || threads == 1) continue;
+    std::vector<Unit> shared;
+    const int64_t parts = (4 * threads + U - 1) / U;
+    for (const Unit& un : units) {
+      const int64_t rows = un.r1 - un.r0, share = std::max<int64_t>((rows + parts - 1) / parts, std::max<int64_t>(1, DIRECT_MAX_ROWS / p));
+      for (int64_t r = un.r0; r < un.r1; r += share) {
+        Unit part = un;
+        part.r0 = static_cast<int32_t>(r);
+        part.r1 = static_cast<int32_t>(std::min<int64_t>(un.r1, r + share));
+        shared.push_back(part);
+      }
+    }
+    units.swap(shared);
+  }
+  const float* qp = q.data_ptr<float>();
+  for (const std::vector<Unit>& units : phases) {
+    const int64_t U = static_cast<int64_t>(units.size());
+    if (U == 0) continue;
+    const int nt = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(U)));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t u = 0; u < U; ++u) {
+      const Unit& un = units[u];
+      const int64_t r0 = un.r0, r1 = un.r1, M = (r1 - r0) * p;
+      thread_local std::vector<float> qs, acc, mx, l;
+      qs.resize(M * D);  // the unit's query vectors, scaled: row r's heads j·p .. j·p + p − 1
+      acc.resize(M * D);
+      mx.resize(M);
+      l.resize(M * 8);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t e = 0; e < p; ++e) {
+          const int64_t row = it.rows[r], v = (r - r0) * p + e;
+          const float* src = qp + (row * h + un.head * p + e) * D;
+          float* dst = qs.data() + v * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+          const int64_t at = (row_chunk0[row] + un.chunk) * h + un.head * p + e;
+          if (un.resume) {
+            std::copy(&st_acc[at * D], &st_acc[(at + 1) * D], acc.data() + v * D);
+            mx[v] = st_mx[at];
+            std::copy(&st_l[at * 8], &st_l[(at + 1) * 8], l.data() + v * 8);
+          } else {
+            std::fill(acc.data() + v * D, acc.data() + (v + 1) * D, 0.f);
+            mx[v] = -std::numeric_limits<float>::infinity();
+            std::fill(l.data() + v * 8, l.data() + (v + 1) * 8, 0.f);
+          }
+        }
+      attend_range(qs.data(), M, D, K + un.head * S * D, V + un.head * S * D, it.blocks + it.blocks_start[un.item], bs,
+                   un.n0, un.n1, acc.data(), mx.data(), l.data());
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t e = 0; e < p; ++e) {
+          const int64_t v = (r - r0) * p + e, at = (row_chunk0[it.rows[r]] + un.chunk) * h + un.head * p + e;
+          std::copy(acc.data() + v * D, acc.data() + (v + 1) * D, &st_acc[at * D]);
+          st_mx[at] = mx[v];
+          std::copy(l.data() + v * 8, l.data() + (v + 1) * 8, &st_l[at * 8]);
+        }
+    }
+  }
+
+  // each (row, head): its chunks' normalized outputs o_k = acc_k / l_k merged by log-sum-exp in chunk order
   float* op = o.data_ptr<float>();
   at::parallel_for(0, num_rows * h, 8, [&](int64_t a, int64_t z) {
-    std::vector<int64_t> idx;
-    std::vector<float> w;
+    std::vector<float> w, sums;
     for (int64_t rh = a; rh < z; ++rh) {
-      const int64_t r = rh / h, hh = rh % h, j = hh / p, e = hh % p;
-      idx.clear();
-      for (int64_t at = row_count[r]; at < row_count[r + 1]; ++at) {
-        const int64_t i = row_item[at];
-        const int64_t first = item_unit[i] + j * item_chunks[i];
-        for (int64_t c = 0; c < item_chunks[i]; ++c) idx.push_back(units[first + c].part + row_pos[at] * p + e);
-      }
+      const int64_t r = rh / h, hh = rh % h, k0 = row_chunk0[r], nk = row_chunk0[r + 1] - k0;
       float* dst = op + rh * D;
-      if (idx.size() == 1) {
-        std::copy(part_o.data() + idx[0] * D, part_o.data() + (idx[0] + 1) * D, dst);
+      if (nk == 1) {
+        const int64_t at = k0 * h + hh;
+        const float inv = 1.f / hsum(_mm256_loadu_ps(&st_l[at * 8]));
+        for (int64_t d = 0; d < D; ++d) dst[d] = st_acc[at * D + d] * inv;
         continue;
       }
+      w.resize(nk);
+      sums.resize(nk);
       float m = -std::numeric_limits<float>::infinity();
-      for (int64_t k : idx) m = std::max(m, part_lse[k]);
-      w.assign(idx.size(), 0.f);
+      for (int64_t c = 0; c < nk; ++c) {
+        const int64_t at = (k0 + c) * h + hh;
+        sums[c] = hsum(_mm256_loadu_ps(&st_l[at * 8]));
+        w[c] = st_mx[at] + std::log(sums[c]);  // the chunk's log-sum-exp
+        m = std::max(m, w[c]);
+      }
       float den = 0.f;
-      for (size_t k = 0; k < idx.size(); ++k) den += (w[k] = std::exp(part_lse[idx[k]] - m));
+      for (int64_t c = 0; c < nk; ++c) den += (w[c] = std::exp(w[c] - m));
       std::fill(dst, dst + D, 0.f);
-      for (size_t k = 0; k < idx.size(); ++k) {
-        const float wk = w[k] / den;
-        const float* src = part_o.data() + idx[k] * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] += wk * src[d];
+      for (int64_t c = 0; c < nk; ++c) {
+        const int64_t at = (k0 + c) * h + hh;
+        const float wk = w[c] / den, inv = 1.f / sums[c];
+        const float* src = &st_acc[at * D];
+        for (int64_t d = 0; d < D; ++d) dst[d] += wk * (src[d] * inv);
       }
     }
   });
