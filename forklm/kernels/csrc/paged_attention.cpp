@@ -31,6 +31,10 @@
 #include "simd_math.h"
 
 #include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -565,49 +569,86 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
     int64_t chunk;               // the chunk's index in its rows' sequences
     bool resume;                 // the chunk began in the rows' previous item: continue its state
   };
-  std::vector<std::vector<Unit>> phases(1);
-  for (int64_t i = 0; i < I; ++i) {
-    const int64_t A = item_start[i], n = it.tokens[i];
+  // Units by item depth (an item's predecessors first); a unit that resumes a chunk waits for the
+  // units of the rows' previous item on the same (KV head, chunk). Few units a step (one shared
+  // prompt's) would leave threads idle: those of many rows are shared out by rows (rows never change
+  // each other's results).
+  std::vector<int64_t> order(I);
+  for (int64_t i = 0; i < I; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return item_depth[x] < item_depth[y]; });
+  int64_t base_units = 0;
+  for (int64_t i = 0; i < I; ++i) base_units += g * ((item_start[i] + it.tokens[i] - 1) / C - item_start[i] / C + 1);
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t parts = threads == 1 ? 1 : std::max<int64_t>(1, (4 * threads + base_units - 1) / base_units);
+  const int64_t min_share = std::max<int64_t>(1, (8 + p - 1) / p);  // at least 8 query vectors a share
+  std::vector<Unit> units;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<int64_t, int64_t>> group;  // (item, head, chunk) -> units [a, b)
+  for (const int64_t i : order) {
+    const int64_t A = item_start[i], n = it.tokens[i], rows = it.rows_start[i + 1] - it.rows_start[i];
+    const int64_t share = std::max<int64_t>((rows + parts - 1) / parts, min_share);
     for (int64_t n0 = 0; n0 < n;) {
       const int64_t k = (A + n0) / C, n1 = std::min(n, (k + 1) * C - A);
       const bool resume = (A + n0) % C != 0;
-      const size_t ph = resume ? static_cast<size_t>(item_depth[i]) : 0;
-      if (phases.size() <= ph) phases.resize(ph + 1);
-      for (int64_t j = 0; j < g; ++j)
-        phases[ph].push_back(Unit{static_cast<int32_t>(i), static_cast<int32_t>(j), static_cast<int32_t>(n0),
-                                  static_cast<int32_t>(n1), it.rows_start[i], it.rows_start[i + 1], k, resume});
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t first = static_cast<int64_t>(units.size());
+        for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; r += share)
+          units.push_back(Unit{static_cast<int32_t>(i), static_cast<int32_t>(j), static_cast<int32_t>(n0),
+                               static_cast<int32_t>(n1), static_cast<int32_t>(r),
+                               static_cast<int32_t>(std::min<int64_t>(it.rows_start[i + 1], r + share)), k, resume});
+        group[{i, j, k}] = {first, static_cast<int64_t>(units.size())};
+      }
       n0 = n1;
+    }
+  }
+  const int64_t U = static_cast<int64_t>(units.size());
+  std::vector<std::vector<int64_t>> deps(U);  // the unit groups a resuming unit waits for
+  for (int64_t u = 0; u < U; ++u) {
+    const Unit& un = units[u];
+    if (!un.resume) continue;
+    std::vector<int64_t> prev;
+    for (int64_t r = un.r0; r < un.r1; ++r) {
+      const int64_t row = it.rows[r], pi = row_item[row_count[row] + item_depth[un.item] - 1];
+      if (std::find(prev.begin(), prev.end(), pi) == prev.end()) prev.push_back(pi);
+    }
+    for (const int64_t pi : prev) {
+      const auto found = group.find({pi, un.head, un.chunk});
+      TORCH_CHECK(found != group.end(), "item ", un.item, " resumes a chunk its previous item does not reach");
+      for (int64_t v = found->second.first; v < found->second.second; ++v) deps[u].push_back(v);
     }
   }
   // the states: acc [D] (unnormalized), running max and sum per (row, chunk, query head)
   const int64_t states = row_chunk0[num_rows] * h;
   std::vector<float> st_acc(states * D), st_mx(states), st_l(states * 8);
-  // A phase of few units (one shared prompt's, before its rows' tails) would leave threads idle at its
-  // end: its many-row units are shared out by rows (rows never change each other's results).
-  const int threads = std::max(1, at::get_num_threads());
-  for (std::vector<Unit>& units : phases) {
-    const int64_t U = static_cast<int64_t>(units.size());
-    if (U == 0 || U >= 4 * threads || threads == 1) continue;
-    std::vector<Unit> shared;
-    const int64_t parts = (4 * threads + U - 1) / U;
-    for (const Unit& un : units) {
-      const int64_t rows = un.r1 - un.r0, share = std::max<int64_t>((rows + parts - 1) / parts, std::max<int64_t>(1, DIRECT_MAX_ROWS / p));
-      for (int64_t r = un.r0; r < un.r1; r += share) {
-        Unit part = un;
-        part.r0 = static_cast<int32_t>(r);
-        part.r1 = static_cast<int32_t>(std::min<int64_t>(un.r1, r + share));
-        shared.push_back(part);
+  const float* qp = q.data_ptr<float>();
+  std::unique_ptr<std::atomic<int>[]> status(new std::atomic<int>[U]);  // 0 waiting, 1 taken, 2 done
+  for (int64_t u = 0; u < U; ++u) status[u].store(0, std::memory_order_relaxed);
+  std::atomic<int64_t> first_open{0};  // units before it are all taken
+  const int nt = std::max(1, std::min<int>(threads, static_cast<int>(U)));
+#pragma omp parallel num_threads(nt)
+  while (true) {
+    int64_t u = -1;
+    bool open = false;
+    for (int64_t c = first_open.load(std::memory_order_acquire); c < U; ++c) {
+      if (status[c].load(std::memory_order_acquire) != 0) continue;
+      open = true;
+      bool ready = true;
+      for (const int64_t d : deps[c]) ready = ready && status[d].load(std::memory_order_acquire) == 2;
+      int expected = 0;
+      if (ready && status[c].compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+        u = c;
+        break;
       }
     }
-    units.swap(shared);
-  }
-  const float* qp = q.data_ptr<float>();
-  for (const std::vector<Unit>& units : phases) {
-    const int64_t U = static_cast<int64_t>(units.size());
-    if (U == 0) continue;
-    const int nt = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(U)));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t u = 0; u < U; ++u) {
+    if (u < 0) {
+      if (!open) break;
+      _mm_pause();  // the rest waits for units other threads are running
+      continue;
+    }
+    {
+      int64_t f = first_open.load(std::memory_order_relaxed);
+      while (f < U && status[f].load(std::memory_order_acquire) != 0 && first_open.compare_exchange_weak(f, f + 1)) ++f;
+    }
+    {
       const Unit& un = units[u];
       const int64_t r0 = un.r0, r1 = un.r1, M = (r1 - r0) * p;
       thread_local std::vector<float> qs, acc, mx, l;
@@ -642,6 +683,7 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
           std::copy(l.data() + v * 8, l.data() + (v + 1) * 8, &st_l[at * 8]);
         }
     }
+    status[u].store(2, std::memory_order_release);
   }
 
   // each (row, head): its chunks' normalized outputs o_k = acc_k / l_k merged by log-sum-exp in chunk order
