@@ -124,6 +124,27 @@ def test_seeded_samples_do_not_depend_on_n_the_batch_or_the_cache(which, prompt,
     assert [(s.token_ids, s.logprobs) for s in state.output.samples] == base
 
 
+def test_speculation_on_the_default_file_gives_the_plain_samples_bit_for_bit():
+    """Drafted tokens verified as a chunk attend in the order a decode row would: with the n-gram drafter
+    (point masses) the seeded samples and their log-probs are those of plain decoding, bit for bit."""
+    from forklm import LLM
+    from forklm.sampling.params import SamplingParams
+
+    llm = LLM()
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n" * 4 + "def mul(a, b):\n"
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(n=4, max_tokens=24, temperature=temperature, seed=3)
+        plain = llm.engine(speculative=None)
+        spec = llm.engine(speculative={"method": "ngram", "num_draft_tokens": 3})
+        want = plain.add_request(llm.prompt_token_ids(code), params)
+        got = spec.add_request(llm.prompt_token_ids(code), params)
+        plain.run()
+        spec.run()
+        assert spec.metrics.speculative.accepted_tokens > 0
+        assert [(s.token_ids, s.logprobs) for s in got.output.samples] == \
+            [(s.token_ids, s.logprobs) for s in want.output.samples]
+
+
 def test_engine_features_on_a_k_quant_file(kquant_gguf):
     from forklm import LLM
 
