@@ -229,8 +229,11 @@ class StepPlanner:
         if decode_rows and not self._advance(plan, decode_rows, decode_slots):
             self.rebuilds += 1
             self._plan_decode(plan, decode_rows, decode_slots)
-        if self.decode_kernel == "cpu" and chunks:
-            self._cpu_chunk_plan(plan, chunks, row)
+        if self.decode_kernel == "cpu" and (decode_rows or chunks):
+            from forklm.kernels.cpu_attention import plan_items
+
+            self._cpu_chunk_items(plan, chunks)
+            plan.kernel_plan = plan_items(plan.kernel_items, row, bs)
         return plan
 
     def _advance(self, plan: StepPlan, rows: Sequence[DecodeRow], slots: list[int]) -> bool:
@@ -421,7 +424,6 @@ class StepPlanner:
 
     def _cpu_plan(self, plan: StepPlan, rows: Sequence[DecodeRow], segments: list[SharedSegment],
                   tail_start: list[int]) -> None:
-        from forklm.kernels.cpu_attention import plan_items
         from forklm.kernels.segment_attention import SegmentItem
 
         bs = self.block_size
@@ -429,22 +431,20 @@ class StepPlanner:
         for i, r in enumerate(rows):  # each row's tail: its own blocks, current token included
             t = r.position
             items.append(SegmentItem((i,), r.block_table[tail_start[i] : t // bs + 1], t + 1 - tail_start[i] * bs))
-        plan.kernel_items = items
-        plan.kernel_plan = plan_items(items, len(rows), bs)
+        plan.kernel_items = items  # `plan` makes them the kernel's tables, the chunks' items added
         plan.extra = [ExtraRead(min(seg.rows), max(seg.rows) + 1, -1, 0, True) for seg in segments]
         plan.num_shared_reads = len(segments)
 
-    def _cpu_chunk_plan(self, plan: StepPlan, chunks: Sequence[tuple[Sequence[int], int, int]], num_rows: int) -> None:
-        """The C++ kernel's plan for every row of the step, the prefill chunks' included: a chunk's rows
+    def _cpu_chunk_items(self, plan: StepPlan, chunks: Sequence[tuple[Sequence[int], int, int]]) -> None:
+        """The C++ kernel's items for the step's prefill chunks, after the decode rows': a chunk's rows
         in block b read blocks [0, b) of their table as one item (the prompt before them, read once for
         the block's rows) and their own block up to themselves, so a prompt token attends in the
         kernel's fixed order as a decode row at its position would, whatever the chunking, the cache
         hits and the rows around it (the kernel writes the chunk's K/V before it attends)."""
-        from forklm.kernels.cpu_attention import plan_items
         from forklm.kernels.segment_attention import SegmentItem
 
         bs = self.block_size
-        items = list(plan.kernel_items)
+        items = plan.kernel_items
         for ch, (table, s0, s1) in zip(plan.chunks, chunks, strict=True):
             for b in range(s0 // bs, (s1 - 1) // bs + 1):
                 first, last = max(s0, b * bs), min(s1, (b + 1) * bs)  # the chunk's positions in block b
@@ -452,8 +452,6 @@ class StepPlanner:
                 if b:
                     items.append(SegmentItem(rows, table[:b], b * bs))
                 items.extend(SegmentItem((r,), (table[b],), pos - b * bs + 1) for r, pos in zip(rows, range(first, last)))
-        plan.kernel_items = items
-        plan.kernel_plan = plan_items(items, num_rows, bs)
 
     def _kernel_plan(self, plan, rows, order, position_of, segments, tail_start) -> None:
         from forklm.kernels.segment_attention import SegmentItem, plan_segments

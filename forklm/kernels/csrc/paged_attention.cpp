@@ -16,7 +16,7 @@
 // continuing the first's state. Inside a chunk, the online softmax decides one KV block at a time
 // (`attend_range`): S = (scale·Q) Kᵀ [M, n]; where the block's max passes m by a margin, m' = that max,
 // acc = acc·e^(m−m'), l = l·e^(m−m'); then P = exp(S − m'), l = l + ΣP (the block's sum), acc = acc + P V;
-// every score in one order whatever M (`scores_rows`), every value's chain over the keys in key
+// every score in one order whatever M (`scores_tile`), every value's chain over the keys in key
 // order. Each (row, head) merges its chunks in chunk order:
 //   lse_k = m_k + log l_k,  o = Σ exp(lse_k − lse) acc_k / l_k            (docs/design.md)
 // Rotary: out[i] = x[i]·cos[i] + x[(i + D/2) mod D]·sin_signed[i] with sin_signed = [−sin₁, sin₂],
@@ -32,9 +32,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <map>
 #include <memory>
-#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -98,38 +96,72 @@ inline float tree_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 
-// S[m, j] = Q[m] · K[j] for MR query rows (D apart) against n keys (rows D apart, straight from the
-// cache), in the order above: 4 keys at a time, MR·4 accumulators, the 4 keys' vectors loaded once
-// for the MR rows; two hadds reduce a row's 4 scores at once, in the same pairs as tree_sum.
-template <int MR, typename T>
-inline void scores_rows(const float* q, int64_t D, const T* kp, int64_t n, int64_t NP, float* s) {
+// The vectors a scores tile runs on. Lanes8: one query row a 256-bit vector. Lanes16 (the AVX-512
+// build): two rows a 512-bit vector, lanes 0-7 row 2i and 8-15 row 2i + 1, each lane the same FMA chain
+// over d as Lanes8's, the key's 8 values in both halves, the query rows paired ([M / 2][D / 8][16],
+// `pair_rows`). half(v, r): query row r's 8 lanes of v.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int ROWS = 1;
+  static V zero() { return _mm256_setzero_ps(); }
+  template <typename T>
+  static V key(const T* p) { return load8(p); }
+  static V query(const float* q, int64_t D, int i, int64_t d) { return _mm256_loadu_ps(q + i * D + d); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 half(V v, int) { return v; }
+};
+
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int ROWS = 2;
+  static V zero() { return _mm512_setzero_ps(); }
+  template <typename T>
+  static V key(const T* p) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(p)))); }
+  static V query(const float* q2, int64_t D, int i, int64_t d) { return _mm512_loadu_ps(q2 + i * 2 * D + 2 * d); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 half(V v, int r) {
+    return r ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) : _mm512_castps512_ps256(v);
+  }
+};
+#endif
+
+// S[m, j] = Q[m] · K[j] for MR vectors of query rows (MR · L::ROWS rows) against n keys (rows D apart,
+// straight from the cache), in the order above: 4 keys at a time, MR·4 accumulators, the 4 keys'
+// vectors loaded once for the MR vectors; two hadds reduce a row's 4 scores at once, in the same pairs
+// as tree_sum.
+template <typename L, int MR, typename T>
+inline void scores_tile(const float* q, int64_t D, const T* kp, int64_t n, int64_t NP, float* s) {
+  using V = typename L::V;
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const T* k = kp + j * D;
-    __m256 a[MR][4];
+    V a[MR][4];
     for (int i = 0; i < MR; ++i)
-      for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) a[i][c] = L::zero();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 k0 = load8(k + d), k1 = load8(k + D + d), k2 = load8(k + 2 * D + d), k3 = load8(k + 3 * D + d);
+      const V k0 = L::key(k + d), k1 = L::key(k + D + d), k2 = L::key(k + 2 * D + d), k3 = L::key(k + 3 * D + d);
       for (int i = 0; i < MR; ++i) {
-        const __m256 qv = _mm256_loadu_ps(q + i * D + d);
-        a[i][0] = _mm256_fmadd_ps(qv, k0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(qv, k1, a[i][1]);
-        a[i][2] = _mm256_fmadd_ps(qv, k2, a[i][2]);
-        a[i][3] = _mm256_fmadd_ps(qv, k3, a[i][3]);
+        const V qv = L::query(q, D, i, d);
+        a[i][0] = L::fma(qv, k0, a[i][0]);
+        a[i][1] = L::fma(qv, k1, a[i][1]);
+        a[i][2] = L::fma(qv, k2, a[i][2]);
+        a[i][3] = L::fma(qv, k3, a[i][3]);
       }
     }
-    for (int i = 0; i < MR; ++i) {
-      // lanes [a0 a1 a2 a3] of the low half plus those of the high half
-      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
-      _mm_storeu_ps(s + i * NP + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-    }
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < L::ROWS; ++r) {
+        // lanes [a0 a1 a2 a3] of the low half plus those of the high half
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(L::half(a[i][0], r), L::half(a[i][1], r)),
+                                        _mm256_hadd_ps(L::half(a[i][2], r), L::half(a[i][3], r)));
+        _mm_storeu_ps(s + (i * L::ROWS + r) * NP + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      }
   }
   for (; j < n; ++j)
     for (int i = 0; i < MR; ++i) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + d), load8(kp + j * D + d), a);
-      s[i * NP + j] = tree_sum(a);
+      V a = L::zero();
+      for (int64_t d = 0; d < D; d += 8) a = L::fma(L::query(q, D, i, d), L::key(kp + j * D + d), a);
+      for (int r = 0; r < L::ROWS; ++r) s[(i * L::ROWS + r) * NP + j] = tree_sum(L::half(a, r));
     }
 }
 
@@ -138,54 +170,6 @@ inline void scores_rows(const float* q, int64_t D, const T* kp, int64_t n, int64
 constexpr int SCORE_ROWS = 2;
 
 #if defined(__AVX512F__)
-// The same scores two query rows a 512-bit vector (the AVX-512 build): lanes 0-7 row 2i, 8-15 row
-// 2i + 1, each lane the same FMA chain over d as scores_rows', the key's 8 values in both halves; the
-// halves reduced by the same hadds. q2: the rows' values paired, [MP][D / 8][16] (`pair_rows`).
-inline __m512 load8x2(const float* p) {
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
-}
-template <typename T>
-inline __m512 load8x2(const T* p) {
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(p))));
-}
-inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-
-template <int MP, typename T>
-inline void scores_pairs(const float* q2, int64_t D, const T* kp, int64_t n, int64_t NP, float* s) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const T* k = kp + j * D;
-    __m512 a[MP][4];
-    for (int i = 0; i < MP; ++i)
-      for (int c = 0; c < 4; ++c) a[i][c] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m512 k0 = load8x2(k + d), k1 = load8x2(k + D + d), k2 = load8x2(k + 2 * D + d), k3 = load8x2(k + 3 * D + d);
-      for (int i = 0; i < MP; ++i) {
-        const __m512 qv = _mm512_loadu_ps(q2 + i * 2 * D + 2 * d);
-        a[i][0] = _mm512_fmadd_ps(qv, k0, a[i][0]);
-        a[i][1] = _mm512_fmadd_ps(qv, k1, a[i][1]);
-        a[i][2] = _mm512_fmadd_ps(qv, k2, a[i][2]);
-        a[i][3] = _mm512_fmadd_ps(qv, k3, a[i][3]);
-      }
-    }
-    for (int i = 0; i < MP; ++i) {
-      const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(_mm512_castps512_ps256(a[i][0]), _mm512_castps512_ps256(a[i][1])),
-                                       _mm256_hadd_ps(_mm512_castps512_ps256(a[i][2]), _mm512_castps512_ps256(a[i][3])));
-      const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(high8(a[i][0]), high8(a[i][1])),
-                                       _mm256_hadd_ps(high8(a[i][2]), high8(a[i][3])));
-      _mm_storeu_ps(s + 2 * i * NP + j, _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1)));
-      _mm_storeu_ps(s + (2 * i + 1) * NP + j, _mm_add_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps(hi, 1)));
-    }
-  }
-  for (; j < n; ++j)
-    for (int i = 0; i < MP; ++i) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) a = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i * 2 * D + 2 * d), load8x2(kp + j * D + d), a);
-      s[2 * i * NP + j] = tree_sum(_mm512_castps512_ps256(a));
-      s[(2 * i + 1) * NP + j] = tree_sum(high8(a));
-    }
-}
-
 // q [M, D] -> q2 [M / 2][D / 8][16]: rows 2i and 2i + 1 side by side, 8 values of each at a time.
 inline void pair_rows(const float* q, int64_t M, int64_t D, float* q2) {
   for (int64_t i = 0; i + 1 < M; i += 2)
@@ -351,22 +335,19 @@ void attend_range(const float* q, int64_t M, int64_t D, const T* K, const T* V, 
     const int64_t nb = t % bs == 0 ? (n + bs - 1) / bs : 1;  // the piece's blocks (parts of blocks)
     const T* kp = K + slot0 * D;
     float* sp = s.data();
-    // the scores, a float16 block's keys widened as read (a float32 copy for many rows measured slower)
-    const auto scores = [&](const auto* keys) {
+    // the scores (a float16 block's keys widened as read: a float32 copy for many rows measured slower)
 #if defined(__AVX512F__)
-      if (M > 1) {  // two rows a vector, then the odd row
-        by_rows_of<SCORE_PAIRS>(M / 2, 0, [&](auto mp, int64_t i) {
-          scores_pairs<decltype(mp)::value>(q2.data() + 2 * i * D, D, keys, n, NP, sp + 2 * i * NP);
-        });
-      }
-      if (M % 2) scores_rows<1>(q + (M - 1) * D, D, keys, n, NP, sp + (M - 1) * NP);
-#else
-      by_rows_of<SCORE_ROWS>(M, 0, [&](auto mr, int64_t m) {
-        scores_rows<decltype(mr)::value>(q + m * D, D, keys, n, NP, sp + m * NP);
+    if (M > 1) {  // two rows a vector, then the odd row
+      by_rows_of<SCORE_PAIRS>(M / 2, 0, [&](auto mp, int64_t i) {
+        scores_tile<Lanes16, decltype(mp)::value>(q2.data() + 2 * i * D, D, kp, n, NP, sp + 2 * i * NP);
       });
+    }
+    if (M % 2) scores_tile<Lanes8, 1>(q + (M - 1) * D, D, kp, n, NP, sp + (M - 1) * NP);
+#else
+    by_rows_of<SCORE_ROWS>(M, 0, [&](auto mr, int64_t m) {
+      scores_tile<Lanes8, decltype(mr)::value>(q + m * D, D, kp, n, NP, sp + m * NP);
+    });
 #endif
-    };
-    scores(kp);
     for (int64_t m = 0; m < M; ++m) {
       float* row = sp + m * NP;
       for (int64_t j = n; j < NP; ++j) row[j] = -std::numeric_limits<float>::infinity();
@@ -545,7 +526,7 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
   // Keys go in chunks at fixed key positions [k·C, (k + 1)·C) of a row's sequence, each with its own
   // online-softmax state, merged at the end in chunk order: the same chunks, states and merge whatever
   // rows share the row's items. An item's chunk that began in the row's previous item continues that
-  // item's state (so it runs after it: units run in phases by the item's place in its rows' lists).
+  // item's state (so its units wait for that item's: below).
   const int64_t C = std::max<int64_t>(chunk_tokens, bs) / bs * bs;
   std::vector<int64_t> item_start(I, -1), item_depth(I, -1), row_chunk0(num_rows + 1, 0);
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -581,22 +562,23 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
   const int threads = std::max(1, at::get_num_threads());
   const int64_t parts = threads == 1 ? 1 : std::max<int64_t>(1, (4 * threads + base_units - 1) / base_units);
   const int64_t min_share = std::max<int64_t>(1, (8 + p - 1) / p);  // at least 8 query vectors a share
+  // item i's units: for each of its chunks (from its first, item_start[i] / C) and KV head, item_shares[i]
+  // units in a row from item_first[i]
   std::vector<Unit> units;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<int64_t, int64_t>> group;  // (item, head, chunk) -> units [a, b)
+  std::vector<int64_t> item_first(I), item_shares(I);
   for (const int64_t i : order) {
     const int64_t A = item_start[i], n = it.tokens[i], rows = it.rows_start[i + 1] - it.rows_start[i];
     const int64_t share = std::max<int64_t>((rows + parts - 1) / parts, min_share);
+    item_first[i] = static_cast<int64_t>(units.size());
+    item_shares[i] = (rows + share - 1) / share;
     for (int64_t n0 = 0; n0 < n;) {
       const int64_t k = (A + n0) / C, n1 = std::min(n, (k + 1) * C - A);
       const bool resume = (A + n0) % C != 0;
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t first = static_cast<int64_t>(units.size());
+      for (int64_t j = 0; j < g; ++j)
         for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; r += share)
           units.push_back(Unit{static_cast<int32_t>(i), static_cast<int32_t>(j), static_cast<int32_t>(n0),
                                static_cast<int32_t>(n1), static_cast<int32_t>(r),
                                static_cast<int32_t>(std::min<int64_t>(it.rows_start[i + 1], r + share)), k, resume});
-        group[{i, j, k}] = {first, static_cast<int64_t>(units.size())};
-      }
       n0 = n1;
     }
   }
@@ -610,10 +592,12 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
       const int64_t row = it.rows[r], pi = row_item[row_count[row] + item_depth[un.item] - 1];
       if (std::find(prev.begin(), prev.end(), pi) == prev.end()) prev.push_back(pi);
     }
-    for (const int64_t pi : prev) {
-      const auto found = group.find({pi, un.head, un.chunk});
-      TORCH_CHECK(found != group.end(), "item ", un.item, " resumes a chunk its previous item does not reach");
-      for (int64_t v = found->second.first; v < found->second.second; ++v) deps[u].push_back(v);
+    for (const int64_t pi : prev) {  // its units on this chunk and head
+      const int64_t c = un.chunk - item_start[pi] / C;
+      TORCH_CHECK(c >= 0 && item_start[pi] + it.tokens[pi] > un.chunk * C, "item ", un.item,
+                  " resumes a chunk its previous item does not reach");
+      const int64_t first = item_first[pi] + (c * g + un.head) * item_shares[pi];
+      for (int64_t v = first; v < first + item_shares[pi]; ++v) deps[u].push_back(v);
     }
   }
   // the states: acc [D] (unnormalized), running max and sum per (row, chunk, query head)
