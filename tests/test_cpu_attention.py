@@ -156,6 +156,54 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it_or_its_blocks_place
         assert torch.equal(got, alone), name
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_rows_run_in_groups_past_the_state_budget_with_the_same_bits(fused):
+    """Past the chunk states' budget a call runs its rows in groups, each reading its items' keys
+    again: the output is the same bits at any budget (one row a group, a few, all), with the rotary
+    and cache write of a prefill-like step (rows in block b read blocks [0, b) then their own) too."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    g, p, D, bs, chunk = 3, 3, 64, 16, 64
+    num_rows, shared = 40, 12
+    num_blocks = shared + num_rows * 4 + 8
+    k_cache, v_cache = torch.randn(g, num_blocks * bs, D), torch.randn(g, num_blocks * bs, D)
+    items = random_items(rng, num_rows, num_blocks, bs, shared, 60)
+    items.insert(1, SegmentItem(list(range(0, num_rows, 3)), [num_blocks - 1], 9))  # a second shared level
+    plan = ca.plan_items(items, num_rows, bs)
+    h = g * p
+    if fused:
+        T = num_rows + 5
+        qkv = torch.randn(T, (h + 2 * g) * D)
+        pos = torch.randint(0, 4000, (T,)).float()[:, None]
+        freqs = 1.0 / 10000 ** (torch.arange(D // 2).float() / (D // 2))
+        ang = torch.cat([pos * freqs, pos * freqs], dim=1)
+        sin = ang.sin()
+        sin[:, : D // 2] *= -1
+        slots = torch.tensor(rng.sample(range(num_blocks * bs), T))
+        rope = (ang.cos(), sin, slots)
+    default = ca.state_budget_bytes()
+    q = torch.randn(num_rows, h, D) * 2
+    outs, caches = [], []
+    try:
+        for budget in (default, 1, 3 * h * (D + 9) * 4 * 2, 40_000):  # all rows; one; ~2; a few a group
+            ca.set_state_budget_bytes(budget)
+            kc, vc = k_cache.clone(), v_cache.clone()
+            if fused:
+                outs.append(ca.paged_attention(qkv, kc, vc, plan, h, rope=rope, chunk_tokens=chunk))
+            else:
+                outs.append(ca.paged_attention(q, kc, vc, plan, h, chunk_tokens=chunk))
+            caches.append((kc, vc))
+    finally:
+        ca.set_state_budget_bytes(default)
+    assert ca.state_budget_bytes() == default
+    for o, (kc, vc) in zip(outs[1:], caches[1:]):
+        assert torch.equal(o, outs[0])
+        assert torch.equal(kc, caches[0][0]) and torch.equal(vc, caches[0][1])
+    if not fused:
+        ref = ca.paged_attention_reference(q, k_cache, v_cache, items, bs)
+        assert rel_err(outs[0], ref) < 2e-6
+
+
 def test_rope_and_cache_write_are_the_models_bit_for_bit():
     """With rotary tables the call rotates q and k exactly as `apply_rope` does, writes k and v to
     their slots (nothing else in the cache changes), then attends over the written cache."""

@@ -119,6 +119,16 @@ def paged_attention(
     )
 
 
+def state_budget_bytes() -> int:
+    """The most bytes of online-softmax chunk states one call keeps (default 256 MiB); past it the
+    rows run in groups, each reading its items' keys again, with the same output bits."""
+    return int(_extension().state_budget_bytes())
+
+
+def set_state_budget_bytes(nbytes: int) -> None:
+    _extension().set_state_budget_bytes(int(nbytes))
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               items: Sequence[SegmentItem], block_size: int, scale: float | None = None) -> torch.Tensor:
     """The slow, obvious version: each row's keys gathered from its items, softmax in float64.

@@ -437,83 +437,19 @@ inline void store_row(const float* x, int64_t D, H* out) {
   for (int64_t d = 0; d < D; d += 8) store8(out + d, _mm256_loadu_ps(x + d));
 }
 
-// q_in: [T, (h + 2g)·D] (the q/k/v product's rows) when `cos` is given: rotary applied to q and k,
-// k and v written to the cache at write_slots, attention for rows [0, num_rows). Otherwise q_in is
-// [num_rows, h, D], already rotated, its K/V already in the cache. Returns o [num_rows, h·D].
+// The most bytes one kernel call keeps in chunk states before it runs its rows in groups (tests lower it).
+inline std::atomic<int64_t>& state_budget() {
+  static std::atomic<int64_t> bytes{int64_t(256) << 20};
+  return bytes;
+}
+inline int64_t state_budget_bytes() { return state_budget().load(std::memory_order_relaxed); }
+
+// The attention of rows [0, num_rows) over the items of `it` (row ids local to these tables):
+// qp [num_rows, h, D] rotated queries, op [num_rows, h·D] the outputs; K / V the caches [g, S, D].
 template <typename KV>
-torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optional<torch::Tensor>& cos_in,
-                              const std::optional<torch::Tensor>& sin_in, const torch::Tensor& k_cache,
-                              const torch::Tensor& v_cache, const std::optional<torch::Tensor>& slots_in,
-                              int64_t h, int64_t num_rows, const torch::Tensor& rows_start, const torch::Tensor& rows,
-                              const torch::Tensor& blocks_start, const torch::Tensor& blocks,
-                              const torch::Tensor& tokens, int64_t bs, double scale_in, int64_t chunk_tokens) {
-  const int64_t g = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
-  TORCH_CHECK(h > 0 && g > 0 && h % g == 0, "num_heads (", h, ") must be a multiple of the cache's KV heads (", g, ")");
-  TORCH_CHECK(D % 16 == 0 && D > 0, "head dim must be a multiple of 16, got ", D);
-  TORCH_CHECK(bs > 0 && S % bs == 0, "block size must divide the cache's slots");
-  const int64_t p = h / g;
-  for (const auto* t : {&rows_start, &rows, &blocks_start, &blocks, &tokens})
-    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->is_cpu() && t->dim() == 1,
-                "plan tables must be contiguous int32 CPU vectors");
-  const int64_t I = tokens.size(0);
-  TORCH_CHECK(rows_start.size(0) == I + 1 && blocks_start.size(0) == I + 1, "plan tables disagree on the items");
-  const Items it{rows_start.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), blocks_start.data_ptr<int32_t>(),
-                 blocks.data_ptr<int32_t>(), tokens.data_ptr<int32_t>(), I};
-  const int64_t num_blocks = S / bs;
-  // the plan is checked in full: a bad index would read or write outside the cache
-  TORCH_CHECK(it.rows_start[0] == 0 && it.rows_start[I] == rows.size(0) && it.blocks_start[0] == 0 &&
-                  it.blocks_start[I] == blocks.size(0), "plan offsets out of range");
-  for (int64_t i = 0; i < I; ++i) {
-    const int64_t r0 = it.rows_start[i], r1 = it.rows_start[i + 1], b0 = it.blocks_start[i], b1 = it.blocks_start[i + 1];
-    TORCH_CHECK(r0 < r1 && b0 <= b1 && it.tokens[i] >= 1 && it.tokens[i] <= (b1 - b0) * bs,
-                "item ", i, " needs rows and at most as many tokens as its blocks hold");
-    for (int64_t r = r0; r < r1; ++r) TORCH_CHECK(it.rows[r] >= 0 && it.rows[r] < num_rows, "item row out of range");
-    for (int64_t b = b0; b < b1; ++b) TORCH_CHECK(it.blocks[b] >= 0 && it.blocks[b] < num_blocks, "block id out of range");
-  }
-  const float scale = static_cast<float>(scale_in);
-  KV* K = reinterpret_cast<KV*>(k_cache.data_ptr());
-  KV* V = reinterpret_cast<KV*>(v_cache.data_ptr());
-
-  torch::Tensor q;  // [num_rows, h, D] rotated queries
-  if (cos_in.has_value()) {
-    TORCH_CHECK(sin_in.has_value() && slots_in.has_value(), "rotary needs cos, sin and the write slots");
-    const torch::Tensor qkv = q_in.contiguous(), c = cos_in->contiguous(), s = sin_in->contiguous(),
-                        slots = slots_in->contiguous();
-    const int64_t T = qkv.size(0);
-    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_cpu() && qkv.size(1) == (h + 2 * g) * D,
-                "qkv must be float32 [T, (h + 2g)·D]");
-    TORCH_CHECK(c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32 && c.numel() == T * D &&
-                    s.numel() == T * D && c.is_cpu() && s.is_cpu(), "cos / sin must be float32 [T, D]");
-    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T && slots.is_cpu(), "write slots must be int64 [T]");
-    TORCH_CHECK(num_rows <= T, "more attention rows than tokens");
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "write slot ", sl[t], " outside the cache");
-    q = torch::empty({num_rows, h, D}, torch::kFloat32);
-    const float *xp = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
-    float* qp = q.data_ptr<float>();
-    const int64_t W = (h + 2 * g) * D;
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      std::vector<float> tmp(D);
-      for (int64_t t = t0; t < t1; ++t) {
-        const float *x = xp + t * W, *ct = cp + t * D, *st = sp + t * D;
-        if (t < num_rows)
-          for (int64_t hh = 0; hh < h; ++hh) rope_row(x + hh * D, ct, st, D, qp + (t * h + hh) * D);
-        for (int64_t j = 0; j < g; ++j) {
-          rope_row(x + (h + j) * D, ct, st, D, tmp.data());
-          store_row(tmp.data(), D, K + (j * S + sl[t]) * D);
-          store_row(x + (h + g + j) * D, D, V + (j * S + sl[t]) * D);
-        }
-      }
-    });
-  } else {
-    q = q_in.contiguous();
-    TORCH_CHECK(q.dim() == 3 && q.size(0) == num_rows && q.size(1) == h && q.size(2) == D &&
-                    q.scalar_type() == torch::kFloat32 && q.is_cpu(), "q must be float32 [rows, h, D]");
-  }
-  torch::Tensor o = torch::empty({num_rows, h * D}, torch::kFloat32);
-  if (num_rows == 0) return o;
-  TORCH_CHECK(I > 0, "the plan has ", num_rows, " rows and no item: every row must read at least one");
-
+void attend_items(const Items& it, int64_t num_rows, const float* qp, float* op, const KV* K, const KV* V,
+                  int64_t g, int64_t S, int64_t D, int64_t h, int64_t bs, float scale, int64_t chunk_tokens) {
+  const int64_t p = h / g, I = it.num_items;
   // Each row's items, in item order: its keys are their keys one after the other, so an item starts at
   // the same key position for each of its rows (the engine's plans: shared segments, then the tail).
   std::vector<int64_t> row_count(num_rows + 1, 0);
@@ -603,7 +539,6 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
   // the states: acc [D] (unnormalized), running max and sum per (row, chunk, query head)
   const int64_t states = row_chunk0[num_rows] * h;
   std::vector<float> st_acc(states * D), st_mx(states), st_l(states * 8);
-  const float* qp = q.data_ptr<float>();
   std::unique_ptr<std::atomic<int>[]> status(new std::atomic<int>[U]);  // 0 waiting, 1 taken, 2 done
   for (int64_t u = 0; u < U; ++u) status[u].store(0, std::memory_order_relaxed);
   std::atomic<int64_t> first_open{0};  // units before it are all taken
@@ -671,7 +606,6 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
   }
 
   // each (row, head): its chunks' normalized outputs o_k = acc_k / l_k merged by log-sum-exp in chunk order
-  float* op = o.data_ptr<float>();
   at::parallel_for(0, num_rows * h, 8, [&](int64_t a, int64_t z) {
     std::vector<float> w, sums;
     for (int64_t rh = a; rh < z; ++rh) {
@@ -703,6 +637,132 @@ torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optiona
       }
     }
   });
+}
+
+// q_in: [T, (h + 2g)·D] (the q/k/v product's rows) when `cos` is given: rotary applied to q and k,
+// k and v written to the cache at write_slots, attention for rows [0, num_rows). Otherwise q_in is
+// [num_rows, h, D], already rotated, its K/V already in the cache. Returns o [num_rows, h·D].
+template <typename KV>
+torch::Tensor paged_attention_impl(const torch::Tensor& q_in, const std::optional<torch::Tensor>& cos_in,
+                              const std::optional<torch::Tensor>& sin_in, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const std::optional<torch::Tensor>& slots_in,
+                              int64_t h, int64_t num_rows, const torch::Tensor& rows_start, const torch::Tensor& rows,
+                              const torch::Tensor& blocks_start, const torch::Tensor& blocks,
+                              const torch::Tensor& tokens, int64_t bs, double scale_in, int64_t chunk_tokens) {
+  const int64_t g = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(h > 0 && g > 0 && h % g == 0, "num_heads (", h, ") must be a multiple of the cache's KV heads (", g, ")");
+  TORCH_CHECK(D % 16 == 0 && D > 0, "head dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(bs > 0 && S % bs == 0, "block size must divide the cache's slots");
+  const int64_t p = h / g;
+  for (const auto* t : {&rows_start, &rows, &blocks_start, &blocks, &tokens})
+    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous() && t->is_cpu() && t->dim() == 1,
+                "plan tables must be contiguous int32 CPU vectors");
+  const int64_t I = tokens.size(0);
+  TORCH_CHECK(rows_start.size(0) == I + 1 && blocks_start.size(0) == I + 1, "plan tables disagree on the items");
+  const Items it{rows_start.data_ptr<int32_t>(), rows.data_ptr<int32_t>(), blocks_start.data_ptr<int32_t>(),
+                 blocks.data_ptr<int32_t>(), tokens.data_ptr<int32_t>(), I};
+  const int64_t num_blocks = S / bs;
+  // the plan is checked in full: a bad index would read or write outside the cache
+  TORCH_CHECK(it.rows_start[0] == 0 && it.rows_start[I] == rows.size(0) && it.blocks_start[0] == 0 &&
+                  it.blocks_start[I] == blocks.size(0), "plan offsets out of range");
+  for (int64_t i = 0; i < I; ++i) {
+    const int64_t r0 = it.rows_start[i], r1 = it.rows_start[i + 1], b0 = it.blocks_start[i], b1 = it.blocks_start[i + 1];
+    TORCH_CHECK(r0 < r1 && b0 <= b1 && it.tokens[i] >= 1 && it.tokens[i] <= (b1 - b0) * bs,
+                "item ", i, " needs rows and at most as many tokens as its blocks hold");
+    for (int64_t r = r0; r < r1; ++r) TORCH_CHECK(it.rows[r] >= 0 && it.rows[r] < num_rows, "item row out of range");
+    for (int64_t b = b0; b < b1; ++b) TORCH_CHECK(it.blocks[b] >= 0 && it.blocks[b] < num_blocks, "block id out of range");
+  }
+  const float scale = static_cast<float>(scale_in);
+  KV* K = reinterpret_cast<KV*>(k_cache.data_ptr());
+  KV* V = reinterpret_cast<KV*>(v_cache.data_ptr());
+
+  torch::Tensor q;  // [num_rows, h, D] rotated queries
+  if (cos_in.has_value()) {
+    TORCH_CHECK(sin_in.has_value() && slots_in.has_value(), "rotary needs cos, sin and the write slots");
+    const torch::Tensor qkv = q_in.contiguous(), c = cos_in->contiguous(), s = sin_in->contiguous(),
+                        slots = slots_in->contiguous();
+    const int64_t T = qkv.size(0);
+    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.is_cpu() && qkv.size(1) == (h + 2 * g) * D,
+                "qkv must be float32 [T, (h + 2g)·D]");
+    TORCH_CHECK(c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32 && c.numel() == T * D &&
+                    s.numel() == T * D && c.is_cpu() && s.is_cpu(), "cos / sin must be float32 [T, D]");
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T && slots.is_cpu(), "write slots must be int64 [T]");
+    TORCH_CHECK(num_rows <= T, "more attention rows than tokens");
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "write slot ", sl[t], " outside the cache");
+    q = torch::empty({num_rows, h, D}, torch::kFloat32);
+    const float *xp = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    const int64_t W = (h + 2 * g) * D;
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> tmp(D);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float *x = xp + t * W, *ct = cp + t * D, *st = sp + t * D;
+        if (t < num_rows)
+          for (int64_t hh = 0; hh < h; ++hh) rope_row(x + hh * D, ct, st, D, qp + (t * h + hh) * D);
+        for (int64_t j = 0; j < g; ++j) {
+          rope_row(x + (h + j) * D, ct, st, D, tmp.data());
+          store_row(tmp.data(), D, K + (j * S + sl[t]) * D);
+          store_row(x + (h + g + j) * D, D, V + (j * S + sl[t]) * D);
+        }
+      }
+    });
+  } else {
+    q = q_in.contiguous();
+    TORCH_CHECK(q.dim() == 3 && q.size(0) == num_rows && q.size(1) == h && q.size(2) == D &&
+                    q.scalar_type() == torch::kFloat32 && q.is_cpu(), "q must be float32 [rows, h, D]");
+  }
+  torch::Tensor o = torch::empty({num_rows, h * D}, torch::kFloat32);
+  if (num_rows == 0) return o;
+  TORCH_CHECK(I > 0, "the plan has ", num_rows, " rows and no item: every row must read at least one");
+
+  const float* qp = q.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  // The chunks' states take (D + 9) floats per row, query head and chunk: a prefill chunk of 512 rows at
+  // position 32k of an 8B shape would hold ~0.5 GB. Rows go in groups (consecutive row ids) whose states
+  // fit the budget; a group reads its items' keys again, and rows never change each other's results, so
+  // the output is the same bits whatever the grouping.
+  const int64_t C = std::max<int64_t>(chunk_tokens, bs) / bs * bs;
+  std::vector<int64_t> row_keys(num_rows, 0);
+  for (int64_t i = 0; i < I; ++i)
+    for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; ++r) row_keys[it.rows[r]] += it.tokens[i];
+  const int64_t budget = state_budget_bytes();
+  std::vector<int64_t> group_end;
+  for (int64_t r = 0, bytes = 0; r < num_rows; ++r) {
+    const int64_t b = (row_keys[r] + C - 1) / C * h * (D + 9) * static_cast<int64_t>(sizeof(float));
+    if (r > 0 && bytes + b > budget) {
+      group_end.push_back(r);
+      bytes = 0;
+    }
+    bytes += b;
+  }
+  group_end.push_back(num_rows);
+  if (group_end.size() == 1) {
+    attend_items<KV>(it, num_rows, qp, op, K, V, g, S, D, h, bs, scale, chunk_tokens);
+    return o;
+  }
+  std::vector<int32_t> rs, rw, bst, blk, tk;
+  for (size_t gi = 0, R0 = 0; gi < group_end.size(); R0 = group_end[gi++]) {
+    const int64_t R1 = group_end[gi];
+    rs.assign(1, 0);
+    bst.assign(1, 0);
+    rw.clear();
+    blk.clear();
+    tk.clear();
+    for (int64_t i = 0; i < I; ++i) {  // the items these rows read, with only these rows
+      const size_t before = rw.size();
+      for (int64_t r = it.rows_start[i]; r < it.rows_start[i + 1]; ++r)
+        if (it.rows[r] >= static_cast<int64_t>(R0) && it.rows[r] < R1) rw.push_back(it.rows[r] - static_cast<int32_t>(R0));
+      if (rw.size() == before) continue;
+      rs.push_back(static_cast<int32_t>(rw.size()));
+      blk.insert(blk.end(), it.blocks + it.blocks_start[i], it.blocks + it.blocks_start[i + 1]);
+      bst.push_back(static_cast<int32_t>(blk.size()));
+      tk.push_back(it.tokens[i]);
+    }
+    const Items sub{rs.data(), rw.data(), bst.data(), blk.data(), tk.data(), static_cast<int64_t>(tk.size())};
+    attend_items<KV>(sub, R1 - static_cast<int64_t>(R0), qp + R0 * h * D, op + R0 * h * D, K, V, g, S, D, h, bs, scale,
+                     chunk_tokens);
+  }
   return o;
 }
 
@@ -735,5 +795,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "rotary + K/V write (when cos is given) and decode attention over items of KV blocks -> o [rows, h*D]",
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_state_budget_bytes", [](int64_t b) { state_budget().store(std::max<int64_t>(b, 1)); },
+        "the most bytes of chunk states one call keeps before it runs its rows in groups (default 256 MiB)");
+  m.def("state_budget_bytes", &state_budget_bytes);
 }
 #endif
