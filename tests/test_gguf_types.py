@@ -218,21 +218,24 @@ def test_a_type_without_a_kernel_is_refused_by_name():
 
 
 def test_without_ggml_a_file_of_its_types_is_refused_and_the_float_path_runs(zoo_gguf, kquant_gguf):
-    """Without ggml's kernels: the Q4_K_M-like file runs whole on the block kernel; the zoo file
-    (F16, BF16: only ggml runs them) is refused by name, and its float path still runs."""
+    """Without ggml's kernels: the Q4_K_M-like file and the zoo file (F16 / BF16 as stored too) run whole on
+    the block kernel; a type only ggml runs (F32 matrices) is refused by name, the file's float path named."""
     code = (
-        "import sys\n"
+        "import sys, torch\n"
         "from forklm import LLM\n"
         "from forklm.errors import UnsupportedModelError\n"
+        "from forklm.kernels.ggml_gemm import GGMLWeights\n"
+        "from forklm.models import quant\n"
         f"assert LLM({str(kquant_gguf)!r}).sample('Hello', n=2, max_tokens=3, seed=0).samples\n"
-        f"path = {str(zoo_gguf)!r}\n"
+        f"llm = LLM({str(zoo_gguf)!r})\n"
+        "assert llm.sample('Hello', n=2, max_tokens=3, seed=0).samples\n"
+        "assert all(isinstance(l[n], quant.BlockLinear) for l in llm.model.layers for n in ('qkv', 'o', 'gate_up', 'down'))\n"
+        "part = GGMLWeights(torch.zeros(4, 128, dtype=torch.uint8), 'F32', 4, 32)\n"
         "try:\n"
-        "    LLM(path)\n"
-        "    sys.exit('loaded without its kernels')\n"
+        "    quant.stored_matrix([part], block_kernel=True)\n"
+        "    sys.exit('an F32 matrix ran without its kernels')\n"
         "except UnsupportedModelError as e:\n"
-        "    assert 'ggml' in str(e) and 'quantize=None' in str(e) and 'FORKLM_GGML=0' in str(e), e\n"
-        "out = LLM(path, quantize=None).sample('Hello', n=2, max_tokens=3, seed=0)\n"
-        "assert len(out.samples) == 2\n"
+        "    assert 'F32' in str(e) and 'ggml' in str(e) and 'quantize=None' in str(e) and 'FORKLM_GGML=0' in str(e), e\n"
     )
     env = dict(os.environ, FORKLM_GGML="0")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

@@ -234,6 +234,9 @@ class BlockWeights:
     iq4_xs: GGUF IQ4_XS (K a multiple of 256): qs as iq4_nl's (the file's own order), d float16
           [N, K/256] (ds), sc int8 [N, K/32] (the file's 6-bit scales − 32), m None:
           w = ds·sc·IQ4_NL_LEVELS[q] (run as the K-quants, in integers per super-block).
+    bf16 / f16: float weights as stored, qs bfloat16 / float16 [N, K] (GGUF BF16 / F16 tensors, often the
+          mapped file itself), d empty, m None: w = qs, multiplied in float32 with float32 activations
+          (`pack_half`; no activation quantization).
     """
 
     kind: str
@@ -256,6 +259,8 @@ class BlockWeights:
 
     def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
         """The arrays in the order the kernel's `gemm_<kind>` takes them."""
+        if self.kind in HALF_KINDS:
+            return (self.qs,)
         return {"q4_1": (self.qs, self.d, self.m), "q4_0_r8": (self.qs, self.d, self.count),
                 "q8_0_r8": (self.qs, self.d, self.count), "iq4_nl_r8": (self.qs, self.d, self.count),
                 "q4_1_r8": (self.qs, self.d, self.m, self.count), "q5_0_r8": (self.qs, self.qh, self.d, self.count),
@@ -319,6 +324,8 @@ class BlockWeights:
     def rows(self, ids: torch.Tensor) -> BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own (IndexError for an id outside 0..N-1)."""
         self._check_rows(ids)
+        if self.kind in HALF_KINDS:
+            return BlockWeights(self.kind, self.qs.index_select(0, ids), self.d, None, int(ids.numel()), self.k)
         if self.kind in R8_KINDS:  # only their lanes are read (an embedding lookup)
             return interleave_r8(deinterleave_r8(self, ids), minima=self.m is not None)
         pick = lambda t: None if t is None else t.index_select(0, ids)
@@ -327,12 +334,17 @@ class BlockWeights:
                             pick(self.qh), pick(self.sc), regroup(self.dm), pick(self.q2))
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]: d·q (+ m) per block of the unpacked values."""
+        """float32 [N, K]: d·q (+ m) per block of the unpacked values (bf16 / f16: the values widened)."""
+        if self.kind in HALF_KINDS:
+            return self.qs.float()
         return dequantize_values(*self.unpack())
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [R, K]: `rows(ids).dequantize()` (an embedding lookup; interleaved layouts read the rows
         from their lanes without laying them out interleaved again)."""
+        if self.kind in HALF_KINDS:
+            self._check_rows(ids)
+            return self.qs.index_select(0, ids).float()
         if self.kind not in R8_KINDS:
             return self.rows(ids).dequantize()
         if available():  # the same values in one C++ call (tested equal to the tensor operations below)
@@ -425,6 +437,20 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
 
 
 # blocks with 8 outputs interleaved, in the order of the C++ kernel's `R8Layout`
+HALF_KINDS = ("bf16", "f16")  # float weights as stored, 16 bits a value
+HALF_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def pack_half(w: torch.Tensor) -> BlockWeights:
+    """A bfloat16 / float16 matrix [N, K] (K a multiple of 32) as the kernel's bf16 / f16 weights, kept
+    as it is (no copy where it is contiguous)."""
+    kind = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(w.dtype)
+    if kind is None or w.dim() != 2:
+        raise ValueError(f"bf16 / f16 weights are a bfloat16 or float16 matrix, got {w.dtype} {tuple(w.shape)}")
+    _check_k(w.shape[1])
+    return BlockWeights(kind, w.contiguous(), torch.empty(0, dtype=torch.float16), None, w.shape[0], w.shape[1])
+
+
 R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8", "q8_0_r8", "iq4_nl_r8", "q4_k_r8", "q5_k_r8", "q6_k_r8")
 
 
@@ -757,6 +783,8 @@ def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tenso
         x = torch.nn.functional.silu(gate) * up
     if residual is not None:
         return residual + gemm_reference(x, w)
+    if w.kind in HALF_KINDS:  # float weights: the product in float64 on the widened values
+        return (x.double() @ w.qs.double().T).float()
     t, k = x.shape
     act_block = SUPER_BLOCK if w.kind in SUPER_BLOCK_KINDS else BLOCK  # K-quant weights: activations per 256
     qx, dx, sx = quantize_q8_reference(x, block=act_block)

@@ -306,14 +306,15 @@ def stored_block_quantized(w: GGMLWeights) -> BlockQuantized:
 # GGUF types forklm's block kernel runs, by the layout they take there (`stored_block_weights`)
 BLOCK_KERNEL_TYPES = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q5_1", "Q5_1": "q5_1", "Q8_0": "q8_0_r8",
                       "Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
-                      "IQ4_NL": "iq4_nl_r8", "IQ4_XS": "iq4_xs"}
+                      "IQ4_NL": "iq4_nl_r8", "IQ4_XS": "iq4_xs", "BF16": "bf16", "F16": "f16"}
 
 
 def block_kernel_kind(type_names) -> str | None:
     """The block-kernel layout one fused matrix of these GGUF types takes, or None where it takes none:
     Q4_0 / Q4_1 parts as q4_1 (run interleaved: q4_0_r8 where every part is Q4_0, else q4_1_r8), with a
     Q5_0 / Q5_1 part among them as q5_1 (the 4-bit parts' fifth bits 0); Q4_K parts as q4_k, with a Q5_K part as q5_k; Q6_K / Q3_K / Q2_K parts as q6_k / q3_k /
-    q2_k; Q8_0 parts as q8_0_r8, IQ4_NL parts as iq4_nl_r8 (8 outputs interleaved); IQ4_XS parts as iq4_xs."""
+    q2_k; Q8_0 parts as q8_0_r8, IQ4_NL parts as iq4_nl_r8 (8 outputs interleaved); IQ4_XS parts as iq4_xs;
+    BF16 / F16 parts as bf16 / f16 (the values as stored)."""
     kinds = {BLOCK_KERNEL_TYPES.get(t) for t in type_names}
     if len(kinds) == 1 and None not in kinds:
         return kinds.pop()
@@ -340,6 +341,8 @@ def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool | None = N
     kind = block_kernel_kind([p.type_name for p in parts])
     if kind is None:
         raise ValueError(f"GGUF types {sorted({p.type_name for p in parts})} take no block-kernel layout together")
+    if kind in block_gemm.HALF_KINDS:
+        return stored_half_weights(parts, kind)
     if interleave_k is None:
         from forklm.backend import k_quants_interleaved
 
@@ -418,11 +421,33 @@ def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool | None = N
     return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 
 
+def stored_half_weights(parts: list[GGMLWeights], kind: str):
+    """GGUF BF16 / F16 parts fused along `out` as the block kernel's bf16 / f16 weights [N, K]: the file's
+    own values; one part in the stored row order is the mapped file itself (no copy), else the rows are
+    gathered once (Hugging Face order) and the file's pages released."""
+    from forklm.kernels import block_gemm
+    from forklm.models.gguf_file import release_pages
+
+    dtype = block_gemm.HALF_DTYPES[kind]
+    k = parts[0].k
+    if len(parts) == 1 and parts[0].row_order is None:
+        return block_gemm.pack_half(parts[0].data.contiguous().view(dtype).view(parts[0].n, k))
+    rows = []
+    for part in parts:
+        w = part.data.contiguous().view(dtype).view(part.n, k)
+        rows.append(w if part.row_order is None else w.index_select(0, part.row_order.to(torch.int64)))
+    packed = block_gemm.pack_half(torch.cat(rows))
+    for part in parts:
+        if part.mapped:
+            release_pages(part.data)
+    return packed
+
+
 def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None, interleave_k: bool | None = None):
     """A GGUF file's tensors fused along `out`, kept as stored (quantize "gguf" on CPU): parts of the
-    types the block kernel runs (`BLOCK_KERNEL_TYPES`: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS) on it, a run of
-    parts per layout (repacked once, `block_kernel_kind`), a matrix with any other part (F16,
-    BF16) on ggml's kernels over the file's bytes. A type neither runs is refused by name, never
+    types the block kernel runs (`BLOCK_KERNEL_TYPES`: Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, BF16, F16) on it, a
+    run of parts per layout (repacked once, `block_kernel_kind`; BF16 / F16 as stored), a matrix with any other
+    part (F32, or BF16 / F16 rows not a multiple of 32) on ggml's kernels over the file's bytes. A type neither runs is refused by name, never
     densified. block_kernel: whether the block kernel runs
     here (the backend's `block_kernel`; None: whether it is built); interleave_k: whether Q4_K / Q5_K
     take their interleaved layouts (the backend's `interleaved_k_quants`; None: its rule)."""

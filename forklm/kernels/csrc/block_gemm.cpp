@@ -2956,6 +2956,131 @@ torch::Tensor dense_rows(const torch::Tensor& x_in, const torch::Tensor& w_in) {
   return y;
 }
 
+// Float weights kept as stored, 16 bits a value (GGUF / Hugging Face bfloat16 or float16 matrices),
+// times float32 activations in float32: each value widened exactly (bfloat16: its bits shifted up;
+// float16: F16C), then `dense_tile`'s order: per output 8 lanes over k, a chain of FMAs in k order,
+// the lanes summed (`hsum`), the tail after; so a row's result depends on that row alone and equals
+// `dense_rows` on the widened weights bit for bit. TO outputs × R rows a tile (the lanes' FMA chains
+// side by side: a lone row runs 8 outputs at once, enough chains to hide the FMA latency).
+template <bool BF16>
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else return _mm256_cvtph_ps(h);
+}
+
+template <bool BF16>
+inline float widen1(uint16_t h) {
+  if constexpr (BF16) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return _cvtsh_ss(h);
+  }
+}
+
+template <bool BF16, int R, int TO>
+inline void half_tile(const float* x, int64_t K, const uint16_t* w, int64_t n, float* y, int64_t N, const float* res) {
+  const int64_t K8 = K / 8 * 8;
+  const uint16_t* wn[TO];
+  for (int o = 0; o < TO; ++o) wn[o] = w + (n + o) * K;
+  __m256 acc[R][TO];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < TO; ++o) acc[r][o] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+    for (int o = 0; o < TO; ++o) {
+      const __m256 wv = widen8<BF16>(wn[o] + k);
+      for (int r = 0; r < R; ++r) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < TO; ++o) {
+      float s = hsum(acc[r][o]);
+      for (int64_t k = K8; k < K; ++k) s = std::fma(x[r * K + k], widen1<BF16>(wn[o][k]), s);
+      float* yo = y + r * N + n + o;
+      *yo = res != nullptr ? res[r * N + n + o] + s : s;  // residual + x·Wᵀ, one rounding
+    }
+}
+
+// y [T, N] = prologue(x) [T, K] times w [N, K] (bfloat16 / float16 as stored) transposed, + residual.
+template <bool BF16>
+torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, int64_t mode_in,
+                        const std::optional<torch::Tensor>& norm_weight, double eps,
+                        const std::optional<torch::Tensor>& residual) {
+  const ProductInput in = product_input(x_in, mode_in, norm_weight);
+  const int64_t T = in.T, K = in.K;
+  const auto want = BF16 ? torch::kBFloat16 : torch::kFloat16;
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == want && w_in.is_cpu() && w_in.size(1) == K,
+              BF16 ? "bfloat16" : "float16", " weights must be a CPU matrix [N, ", K, "], got ", w_in.scalar_type(), " ",
+              w_in.sizes());
+  const torch::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0);
+  const torch::Tensor res = checked_residual(residual, T, N);
+  torch::Tensor y = torch::empty({T, N}, torch::kFloat32);
+  if (T == 0 || N == 0) return y;
+  // the rows after the prologue (RMSNorm / SwiGLU, `prologue_row`), else x itself
+  thread_local std::vector<float> rows_buf;
+  const float* xp = in.x.data_ptr<float>();
+  if (in.mode != PLAIN) {
+    rows_buf.resize(T * K);
+    float* rows = rows_buf.data();  // (the calling thread's buffer: thread_local names another in the workers)
+    const int64_t stride = in.x.size(1);
+    const float* src = xp;
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        prologue_row(src + t * stride, K, in.mode, in.norm_data(), static_cast<float>(eps), rows + t * K);
+    });
+    xp = rows;
+  }
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
+  // threads split the outputs in chunks whose weights stay in cache while every tile of rows passes them
+  constexpr int64_t CHUNK = 64;
+  const int64_t chunks = (N + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * CHUNK, n1 = std::min(N, n0 + CHUNK);
+      const auto rows = [&](auto r_const, int64_t t) {
+        constexpr int R = decltype(r_const)::value;
+#if FORKLM_VNNI  // 32 vector registers (AVX-512VL): 16 chains of 4 rows x 4 outputs
+        constexpr int TO = R == 1 ? 8 : R == 2 ? 6 : 4;
+#else
+        constexpr int TO = R == 1 ? 8 : R == 2 ? 4 : 2;
+#endif
+        const float* xr = xp + t * K;
+        float* yr = yp + t * N;
+        const float* rr = rp != nullptr ? rp + t * N : nullptr;
+        int64_t n = n0;
+        for (; n + TO <= n1; n += TO) half_tile<BF16, R, TO>(xr, K, wp, n, yr, N, rr);
+        for (; n < n1; ++n) half_tile<BF16, R, 1>(xr, K, wp, n, yr, N, rr);
+      };
+      int64_t t = 0;
+      for (; t + 4 <= T; t += 4) rows(std::integral_constant<int, 4>{}, t);
+      for (; t + 2 <= T; t += 2) rows(std::integral_constant<int, 2>{}, t);
+      if (t < T) rows(std::integral_constant<int, 1>{}, t);
+    }
+  });
+  if (rows_buf.capacity() > (size_t{8} << 20)) std::vector<float>().swap(rows_buf);  // a long prompt's chunk
+  return y;
+}
+
+torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t prologue,
+                        const std::optional<torch::Tensor>& norm_weight, double eps,
+                        const std::optional<torch::Tensor>& residual) {
+  return gemm_half<true>(x, w, prologue, norm_weight, eps, residual);
+}
+
+torch::Tensor gemm_f16(const torch::Tensor& x, const torch::Tensor& w, int64_t prologue,
+                       const std::optional<torch::Tensor>& norm_weight, double eps,
+                       const std::optional<torch::Tensor>& residual) {
+  return gemm_half<false>(x, w, prologue, norm_weight, eps, residual);
+}
+
 // Rows `ids` of weights in an interleaved layout (`gemm_r8`'s arrays), float32 [R, K]: an embedding
 // lookup in a table the LM head reads. Each value as block_gemm.py's `dequantize_rows` forms it (the
 // arithmetic of gguf's numpy dequantization): w = float(q)·d, then + m where the layout has minima
@@ -3102,6 +3227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d ds, m None, sc int8 [G, nb, 16], mq None) as gemm_r8 takes them, n outputs) as float32 [len(ids), K]",
         py::arg("layout"), py::arg("qs"), py::arg("qh"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("ids"),
         py::arg("sc") = py::none(), py::arg("mq") = py::none());
+  m.def("gemm_bf16", &gemm_bf16, "y [T, N] = x [T, K] float32 times bfloat16 weights [N, K] as stored, in float32 "
+        "(each output dense_rows' order on the widened weights)", py::call_guard<py::gil_scoped_release>());
+  m.def("gemm_f16", &gemm_f16, "y [T, N] = x [T, K] float32 times float16 weights [N, K] as stored, in float32 "
+        "(each output dense_rows' order on the widened weights)", py::call_guard<py::gil_scoped_release>());
   m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
         "output one dot product in a fixed order whatever T", py::call_guard<py::gil_scoped_release>());
   m.def("repack_rows", &repack_rows,

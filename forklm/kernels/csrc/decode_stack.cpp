@@ -44,6 +44,8 @@ struct BlockPart {
     if (kind == "q2_k") return gemm<false, false, false, SUB16_Q2>(x, a[0], a[1], a[1], mode, norm, eps, r, torch::Tensor(), a[2]);
     if (kind == "iq4_xs") return gemm<false, false, false, SUB16_IQ4XS>(x, a[0], a[1], a[1], mode, norm, eps, r, torch::Tensor(), a[2]);
     if (kind == "iq4_nl") return gemm<false, false, false, NO_SUB16, true>(x, a[0], a[1], a[1], mode, norm, eps, r);
+    if (kind == "bf16") return gemm_half<true>(x, a[0], mode, norm, eps, r);
+    if (kind == "f16") return gemm_half<false>(x, a[0], mode, norm, eps, r);
     return gemm<false>(x, a[0], a[1], a[1], mode, norm, eps, r);  // q8_0
   }
 };
@@ -93,7 +95,7 @@ class DecodeStack {
     const size_t L = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * L && kinds.size() == 4 * L && arrays.size() == 4 * L,
                 "a decode stack needs 2 norms and 4 block matrices per layer");
-    const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q4_0_r8", 3}, {"q4_1_r8", 4}, {"q5_0_r8", 4}, {"q5_1_r8", 5}, {"q8_0_r8", 3}, {"iq4_nl_r8", 3}, {"q4_k_r8", 6}, {"q5_k_r8", 7}, {"q6_k_r8", 5}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q6_k", 4}, {"q3_k", 4}, {"q2_k", 3}, {"q8_0", 2}, {"iq4_nl", 2}, {"iq4_xs", 3}};
+    const std::map<std::string, size_t> arity{{"q4_1", 3}, {"q4_0_r8", 3}, {"q4_1_r8", 4}, {"q5_0_r8", 4}, {"q5_1_r8", 5}, {"q8_0_r8", 3}, {"iq4_nl_r8", 3}, {"q4_k_r8", 6}, {"q5_k_r8", 7}, {"q6_k_r8", 5}, {"q5_1", 4}, {"q4_k", 5}, {"q5_k", 6}, {"q6_k", 4}, {"q3_k", 4}, {"q2_k", 3}, {"q8_0", 2}, {"iq4_nl", 2}, {"iq4_xs", 3}, {"bf16", 1}, {"f16", 1}};
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == L, "one q/k/v bias (or None) per layer, or none at all");
     std::vector<BlockMatrix> matrices(4 * L);
     for (size_t i = 0; i < 4 * L; ++i) {

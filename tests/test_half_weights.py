@@ -1,0 +1,85 @@
+"""bfloat16 / float16 weights as stored on the block kernel (`gemm_bf16` / `gemm_f16`): float32
+products of the widened values, each row's result that row's alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forklm.kernels import block_gemm as bg
+
+pytestmark = pytest.mark.skipif(not bg.available(), reason=f"block kernel not built: {bg.build_error()}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,N,K", [(1, 8, 32), (1, 77, 96), (3, 19, 64), (5, 130, 576), (17, 64, 160), (64, 9, 32)])
+def test_half_product_matches_float64_and_dense_rows(dtype, T, N, K):
+    """Every remainder of outputs (8 / 4 / 2 at a time and the rest) and rows (4 / 2 / 1): close to
+    the float64 product of the stored values, and bit for bit `dense_rows` on the widened weights
+    (the same per-output order)."""
+    torch.manual_seed(T * 1000 + N + K)
+    w = (torch.randn(N, K) * 0.5).to(dtype)
+    x = torch.randn(T, K)
+    wb = bg.pack_half(w)
+    y = bg.gemm(x, wb)
+    assert y.shape == (T, N) and y.dtype == torch.float32
+    assert rel_err(y, bg.gemm_reference(x, wb)) < 1e-6
+    assert torch.equal(y, bg.dense_rows(x.unsqueeze(1), w.float().unsqueeze(0)).squeeze(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_fusions_match_the_reference(dtype):
+    torch.manual_seed(3)
+    T, N, K = 7, 45, 128
+    w = torch.randn(N, K).to(dtype)
+    wb = bg.pack_half(w)
+    x, g = torch.randn(T, K) * 3, torch.rand(K) + 0.5
+    res = torch.randn(T, N)
+    y = bg.gemm(x, wb, norm_weight=g, eps=1e-5, residual=res)
+    ref = bg.gemm_reference(x, wb, norm_weight=g, eps=1e-5, residual=res)
+    assert rel_err(y, ref) < 1e-6
+    xu = torch.randn(T, 2 * K)
+    assert rel_err(bg.gemm(xu, wb, swiglu=True), bg.gemm_reference(xu, wb, swiglu=True)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_rows_half_product_does_not_depend_on_the_rows_beside_it(dtype):
+    """Row 0's outputs are the same bits alone and among 1..40 other rows, with and without fusions."""
+    torch.manual_seed(5)
+    N, K = 83, 192
+    w = torch.randn(N, K).to(dtype)
+    wb = bg.pack_half(w)
+    x = torch.randn(41, K)
+    g = torch.rand(K) + 0.5
+    alone = bg.gemm(x[:1], wb, norm_weight=g, eps=1e-6)
+    for t in (2, 3, 4, 5, 8, 9, 24, 41):
+        assert torch.equal(bg.gemm(x[:t], wb, norm_weight=g, eps=1e-6)[:1], alone), t
+        assert torch.equal(bg.gemm(x[:t], wb)[:1], bg.gemm(x[:1], wb)), t
+
+
+def test_half_rows_and_lookups_are_the_stored_values():
+    torch.manual_seed(1)
+    w = torch.randn(50, 64).to(torch.bfloat16)
+    wb = bg.pack_half(w)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(wb.dequantize_rows(ids), w.float()[ids])
+    assert torch.equal(wb.rows(ids).dequantize(), w.float()[ids])
+    assert torch.equal(wb.dequantize(), w.float())
+    with pytest.raises(IndexError):
+        wb.dequantize_rows(torch.tensor([50]))
+
+
+def test_bad_half_weights_are_refused_with_a_message():
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        bg.pack_half(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        bg.pack_half(torch.randn(4, 40).to(torch.bfloat16))
+    wb = bg.pack_half(torch.randn(4, 32).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32|weights must be"):
+        bg.gemm(torch.randn(2, 64), wb)
+    with pytest.raises(RuntimeError, match="bfloat16 weights must be"):
+        bg._extension().gemm_bf16(torch.randn(2, 32), torch.randn(4, 32), 0, None, 0.0, None)
