@@ -49,7 +49,10 @@ def _placement(w: Any) -> str:
     if isinstance(w, BlockLinear):
         stored = "+".join(w.stored_types) if w.stored_types else "from float"
         copy = f", dense {w.dense.dtype} copy above {w.max_rows} rows" if w.dense is not None else ""
-        return f"{stored} -> block kernel ({w.kind} layout, Q8 activations{copy})"
+        from forklm.kernels.block_gemm import HALF_KINDS
+
+        acts = "float32 activations" if all(p.kind in HALF_KINDS for p in w.parts) else "Q8 activations"
+        return f"{stored} -> block kernel ({w.kind} layout, {acts}{copy})"
     if isinstance(w, QuantizedLinear):
         copy = f", dense {w.dense.dtype} copy above {w.max_rows} rows" if w.dense is not None else ""
         return f"{w.kind} -> PyTorch's {w.kind} kernel ({w.dtype} activations{copy})"

@@ -2981,15 +2981,23 @@ inline float widen1(uint16_t h) {
   }
 }
 
+// `ahead`: the weights of the tile that runs next on this thread (their bytes prefetched a line at a time
+// as this tile's are read: the rows of a wide LM head stream from memory at twice the rate then), or null.
 template <bool BF16, int R, int TO>
-inline void half_tile(const float* x, int64_t K, const uint16_t* w, int64_t n, float* y, int64_t N, const float* res) {
+inline void half_tile(const float* x, int64_t K, const uint16_t* w, int64_t n, float* y, int64_t N, const float* res,
+                      const uint16_t* ahead, int64_t ahead_bytes) {
   const int64_t K8 = K / 8 * 8;
   const uint16_t* wn[TO];
   for (int o = 0; o < TO; ++o) wn[o] = w + (n + o) * K;
   __m256 acc[R][TO];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < TO; ++o) acc[r][o] = _mm256_setzero_ps();
+  const char* pf = reinterpret_cast<const char*>(ahead);
+  int64_t pf_at = 0;
   for (int64_t k = 0; k < K8; k += 8) {
+    if (pf != nullptr)
+      for (const int64_t until = std::min(ahead_bytes, (k + 8) * TO * 2); pf_at < until; pf_at += 64)
+        _mm_prefetch(pf + pf_at, _MM_HINT_T0);
     __m256 xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
     for (int o = 0; o < TO; ++o) {
@@ -3056,8 +3064,21 @@ torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, in
         float* yr = yp + t * N;
         const float* rr = rp != nullptr ? rp + t * N : nullptr;
         int64_t n = n0;
-        for (; n + TO <= n1; n += TO) half_tile<BF16, R, TO>(xr, K, wp, n, yr, N, rr);
-        for (; n < n1; ++n) half_tile<BF16, R, 1>(xr, K, wp, n, yr, N, rr);
+        // the next tile's weights prefetched where they come from memory (this chunk's first pass of rows;
+        // later rows find them in cache), up to the end of this thread's outputs
+        const int64_t n_end = t == 0 ? std::min(N, c1 * CHUNK) : 0;
+        const auto ahead = [&](int64_t next, int64_t outs) -> std::pair<const uint16_t*, int64_t> {
+          const int64_t live = std::min(outs, n_end - next);
+          return live > 0 ? std::make_pair(wp + next * K, live * K * 2) : std::make_pair(nullptr, int64_t{0});
+        };
+        for (; n + TO <= n1; n += TO) {
+          const auto [a, ab] = ahead(n + TO, TO);
+          half_tile<BF16, R, TO>(xr, K, wp, n, yr, N, rr, a, ab);
+        }
+        for (; n < n1; ++n) {
+          const auto [a, ab] = ahead(n + 1, 1);
+          half_tile<BF16, R, 1>(xr, K, wp, n, yr, N, rr, a, ab);
+        }
       };
       int64_t t = 0;
       for (; t + 4 <= T; t += 4) rows(std::integral_constant<int, 4>{}, t);
