@@ -92,6 +92,8 @@ def as_blocks(w: torch.Tensor, kind: str):
 
     if kind in ("q4_k_r8", "q5_k_r8", "q6_k_r8"):  # (the layouts GGUF Q4_K / Q5_K / Q6_K files load as)
         return bg.interleave_r8(as_blocks(w, kind[:-3]))
+    if kind in bg.HALF_KINDS:  # float weights as stored (GGUF BF16 / F16)
+        return bg.pack_half(w.to(bg.HALF_DTYPES[kind]))
     n, k = w.shape
     blocks = w.float().view(n, k // 32, 32)
     if kind in ("q8_0", "q8_0_r8"):  # (plain: the layout no file loads as now, still run by the stack)
@@ -162,7 +164,7 @@ def as_blocks(w: torch.Tensor, kind: str):
 
 
 def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
-    """Interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL and IQ4_XS matrices mixed across a model's layers: the
+    """Interleaved Q4_0 / Q4_1 / Q5_0 / Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS, BF16 and F16 matrices mixed across a model's layers: the
     stack's samples and log-probabilities equal the layer loop's bit for bit."""
     from conftest import tiny_llama
 
@@ -190,7 +192,7 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
     for i, kind in ((0, "q4_0_r8"), (2, "q4_1_r8")):  # the interleaved 4-bit layouts (files' Q4_0 / Q4_1)
         model.layers[i]["o"] = BlockLinear(as_blocks(model.layers[i]["o"].dequantize(), kind))
     # the plain layouts (no file loads them now; the stack still runs them), middle parts of down
-    for i, middle in ((1, ("q8_0",)), (3, ("iq4_nl",)), (0, ("q4_k", "q6_k")), (2, ("q5_k",))):
+    for i, middle in ((1, ("q8_0", "bf16")), (3, ("iq4_nl", "f16")), (0, ("q4_k", "q6_k")), (2, ("q5_k",))):
         w = model.layers[i]["down"].dequantize()
         a, b = pairs[i]
         rows = 64 // len(middle)
@@ -200,7 +202,7 @@ def test_every_block_layout_runs_on_the_stack_as_in_the_loop(monkeypatch):
                                                              "iq4_xs+q5_k_r8"}
     assert {layer["o"].kind for layer in model.layers} == {"q4_0_r8", "q8_0_r8", "q4_1_r8", "iq4_nl_r8"}
     used = {part.kind for layer in model.layers for w in layer.values() if isinstance(w, BlockLinear) for part in w.parts}
-    assert used == set(kinds), set(kinds) - used  # every layout on the stack somewhere
+    assert used == set(kinds) | {"bf16", "f16"}, set(kinds) - used  # every layout on the stack somewhere
     calls = count_stack_steps(monkeypatch)
     prompts = [[random.Random(i).randrange(29) for _ in range(30 + 7 * i)] for i in range(3)]
     outs = {}
