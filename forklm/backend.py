@@ -300,6 +300,20 @@ class Backend:
                 f"decode attention {self.decode_kernel}" + (", block kernel" if self.block_kernel else ""))
 
 
+def keeps_half_matrices(dtype="auto", device="auto", quantize="auto") -> bool:
+    """Whether a Hugging Face folder's bfloat16 / float16 matrices stay as stored (16 bits a value, on
+    the block kernel's bf16 / f16 tiles: float32 products with float32 activations, the decode stack,
+    each row's result its own), as a GGUF file's BF16 / F16 tensors do: under quantize "auto" / "gguf",
+    dtype "auto" / float32 (a model asked for in bfloat16 stays PyTorch's), on a CPU where the block
+    kernel runs. Else the folder loads dense in the model dtype."""
+    from forklm.device import resolve_device
+
+    q = check_quantize(quantize)
+    if q not in ("auto", "gguf") or resolve_device(device).type != "cpu" or not block_kernel_available():
+        return False
+    return dtype is None or dtype == "auto" or dtype == torch.float32 or dtype == "float32"
+
+
 def loader_keeps_gguf_blocks(quantize="auto") -> bool:
     """Whether a GGUF file is read with its quantized blocks kept, before its tensors are known: for
     any `quantize` but None, so that `Backend.resolve` sees them and decides (blocks that end up

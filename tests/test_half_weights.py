@@ -83,3 +83,57 @@ def test_bad_half_weights_are_refused_with_a_message():
         bg.gemm(torch.randn(2, 64), wb)
     with pytest.raises(RuntimeError, match="bfloat16 weights must be"):
         bg._extension().gemm_bf16(torch.randn(2, 32), torch.randn(4, 32), 0, None, 0.0, None)
+
+
+def _half_folder(path, variant: str, dtype: torch.dtype):
+    """A random checkpoint saved by transformers in `dtype`, with a word-level tokenizer; returns the
+    transformers model in float32 on the same (16-bit) values."""
+    from test_models_hf import save_random
+    from tokenizers import Tokenizer as TokBackend
+    from tokenizers import models, pre_tokenizers
+
+    hf = save_random(path / "f32", variant)
+    hf = hf.to(dtype)
+    hf.save_pretrained(path)
+    tok = TokBackend(models.WordLevel(vocab={f"w{i}": i for i in range(320)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return hf.float()
+
+
+@pytest.mark.parametrize("variant, dtype", [("llama-gqa", torch.bfloat16), ("qwen2", torch.float16),
+                                            ("llama-mha", torch.bfloat16)])  # tied; q/k/v biases; untied head
+def test_a_half_folder_runs_its_matrices_as_stored_exactly(tmp_path, variant, dtype):
+    """LLM(folder) on a bfloat16 / float16 checkpoint keeps every matrix as stored on the block kernel's
+    tiles (no dense copy, the decode stack on) and computes in float32: transformers in float32 on the
+    same values, to float rounding; quantize=None still loads it dense."""
+    from test_quant import model_logits
+
+    from forklm import LLM
+    from forklm.kernels import decode_stack
+    from forklm.models.quant import BlockLinear
+
+    hf = _half_folder(tmp_path, variant, dtype)
+    llm = LLM(str(tmp_path))
+    m = llm.model
+    assert llm.quantize == "gguf" and m.dtype == torch.float32
+    kind = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    for layer in m.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert isinstance(layer[name], BlockLinear) and layer[name].kind == kind and layer[name].dense is None
+    assert isinstance(m.lm_head, BlockLinear) and m.lm_head.kind == kind and m.embed is None
+    assert decode_stack.unsupported_reason(m) is None
+    n_matrix = sum(p.numel() for name, p in hf.named_parameters() if p.dim() == 2)
+    assert m.num_weight_bytes() < 2 * n_matrix * 1.05 + 100_000  # 16 bits a value, resident once
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1))
+    prefill, steps = model_logits(m, ids[:34], ids[34:])
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert rel_err(prefill, ref[:34]) < 1e-5 and rel_err(steps, ref[34:]) < 1e-5
+    # seeded samples: sample i the same bits whatever n
+    kw = dict(max_tokens=10, temperature=0.9, seed=4, ignore_eos=True)
+    one = llm.sample("w1 w2 w3 w4", n=1, **kw).samples[0]
+    many = llm.sample("w1 w2 w3 w4", n=8, **kw).samples[0]
+    assert one.token_ids == many.token_ids and one.logprobs == many.logprobs
+    dense = LLM(str(tmp_path), quantize=None)
+    assert dense.quantize is None and not isinstance(dense.model.layers[0]["qkv"], BlockLinear)

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forklm.backend import Backend, loader_keeps_gguf_blocks, resolve_quantize
+import torch
+
+from forklm.backend import Backend, keeps_half_matrices, loader_keeps_gguf_blocks, resolve_quantize
 from forklm.device import resolve_device, resolve_dtype
 from forklm.kernels.ggml_gemm import GGMLWeights
 from forklm.models.deepseek import DeepseekConfig, DeepseekModel
 from forklm.models.gpt2 import GPT2Config, GPT2Model
 from forklm.models.llama import LlamaModel
-from forklm.models.quant import BlockQuantized
+from forklm.models.quant import BlockQuantized, half_matrices_as_stored
 from forklm.models.random_weights import PREFIX as RANDOM_PREFIX
 from forklm.models.random_weights import random_config, random_weights
 from forklm.models.registry import load_model_files
@@ -41,9 +43,14 @@ def load_model(model: str | Path, *, dtype="auto", device="auto", quantize="auto
         resolve_quantize(quantize, resolve_dtype(dtype, dev), dev)  # the arguments checked before any file is read
         keep = loader_keeps_gguf_blocks(quantize)
         config, weights, tokenizer, source = load_model_files(model, keep_quantized=keep)
+    model_class = {DeepseekConfig: DeepseekModel, GPT2Config: GPT2Model}.get(type(config), LlamaModel)
+    halves = [w for w in weights.values()
+              if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)]
+    if (model_class is LlamaModel and Path(str(source)).is_dir() and halves and all(w.shape[1] % 32 == 0 for w in halves)
+            and keeps_half_matrices(dtype, device, quantize)):
+        weights = half_matrices_as_stored(weights)  # a bfloat16 / float16 folder: its matrices as stored
     has_blocks = any(isinstance(w, (BlockQuantized, GGMLWeights)) for w in weights.values())
     backend = Backend.resolve(dtype=dtype, device=device, quantize=quantize, has_gguf_blocks=has_blocks)
-    model_class = {DeepseekConfig: DeepseekModel, GPT2Config: GPT2Model}.get(type(config), LlamaModel)
     built = model_class(config, weights, backend)
     del weights
     if backend.fallbacks:

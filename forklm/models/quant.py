@@ -421,6 +421,21 @@ def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool | None = N
     return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 
 
+def half_matrices_as_stored(weights: dict) -> dict:
+    """A Hugging Face checkpoint's 2-D bfloat16 / float16 tensors (its matrices and token table) as
+    GGUF BF16 / F16 tensors over the same memory (`GGMLWeights`, no copy): the model then keeps them
+    as stored, as it keeps a GGUF file's (`backend.keeps_half_matrices` decides when)."""
+    types = {torch.bfloat16: "BF16", torch.float16: "F16"}
+    out = {}
+    for name, w in weights.items():
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in types and w.shape[1] % 32 == 0:
+            w = w.contiguous()
+            out[name] = GGMLWeights(w.view(torch.uint8).view(w.shape[0], -1), types[w.dtype], w.shape[0], w.shape[1])
+        else:
+            out[name] = w
+    return out
+
+
 def stored_half_weights(parts: list[GGMLWeights], kind: str):
     """GGUF BF16 / F16 parts fused along `out` as the block kernel's bf16 / f16 weights [N, K]: the file's
     own values; one part in the stored row order is the mapped file itself (no copy), else the rows are
