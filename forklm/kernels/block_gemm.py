@@ -436,7 +436,6 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeights
     return BlockWeights("q4_1", pack_nibbles(q), _exact_half(d, "d"), block_minima(_exact_half(m, "m")), n, k)
 
 
-# blocks with 8 outputs interleaved, in the order of the C++ kernel's `R8Layout`
 HALF_KINDS = ("bf16", "f16")  # float weights as stored, 16 bits a value
 HALF_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -451,6 +450,7 @@ def pack_half(w: torch.Tensor) -> BlockWeights:
     return BlockWeights(kind, w.contiguous(), torch.empty(0, dtype=torch.float16), None, w.shape[0], w.shape[1])
 
 
+# blocks with 8 outputs interleaved, in the order of the C++ kernel's `R8Layout`
 R8_KINDS = ("q4_0_r8", "q4_1_r8", "q5_0_r8", "q5_1_r8", "q8_0_r8", "iq4_nl_r8", "q4_k_r8", "q5_k_r8", "q6_k_r8")
 
 

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from forklm.backend import Backend, keeps_half_matrices, loader_keeps_gguf_blocks, resolve_quantize
 from forklm.device import resolve_device, resolve_dtype
 from forklm.kernels.ggml_gemm import GGMLWeights
@@ -44,11 +42,8 @@ def load_model(model: str | Path, *, dtype="auto", device="auto", quantize="auto
         keep = loader_keeps_gguf_blocks(quantize)
         config, weights, tokenizer, source = load_model_files(model, keep_quantized=keep)
     model_class = {DeepseekConfig: DeepseekModel, GPT2Config: GPT2Model}.get(type(config), LlamaModel)
-    halves = [w for w in weights.values()
-              if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)]
-    if (model_class is LlamaModel and Path(str(source)).is_dir() and halves and all(w.shape[1] % 32 == 0 for w in halves)
-            and keeps_half_matrices(dtype, device, quantize)):
-        weights = half_matrices_as_stored(weights)  # a bfloat16 / float16 folder: its matrices as stored
+    if model_class is LlamaModel and Path(str(source)).is_dir() and keeps_half_matrices(dtype, device, quantize):
+        weights = half_matrices_as_stored(weights) or weights  # a bfloat16 / float16 folder: its matrices as stored
     has_blocks = any(isinstance(w, (BlockQuantized, GGMLWeights)) for w in weights.values())
     backend = Backend.resolve(dtype=dtype, device=device, quantize=quantize, has_gguf_blocks=has_blocks)
     built = model_class(config, weights, backend)

@@ -421,18 +421,19 @@ def stored_block_weights(parts: list[GGMLWeights], interleave_k: bool | None = N
     return block_gemm.BlockWeights(kind, qs, d, block_gemm.block_minima(m), n, k, qh)
 
 
-def half_matrices_as_stored(weights: dict) -> dict:
+def half_matrices_as_stored(weights: dict) -> dict | None:
     """A Hugging Face checkpoint's 2-D bfloat16 / float16 tensors (its matrices and token table) as
     GGUF BF16 / F16 tensors over the same memory (`GGMLWeights`, no copy): the model then keeps them
-    as stored, as it keeps a GGUF file's (`backend.keeps_half_matrices` decides when)."""
+    as stored, as it keeps a GGUF file's (`backend.keeps_half_matrices` decides when). None where the
+    checkpoint has no such tensor or one whose rows are not a multiple of 32 values."""
     types = {torch.bfloat16: "BF16", torch.float16: "F16"}
-    out = {}
-    for name, w in weights.items():
-        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in types and w.shape[1] % 32 == 0:
-            w = w.contiguous()
-            out[name] = GGMLWeights(w.view(torch.uint8).view(w.shape[0], -1), types[w.dtype], w.shape[0], w.shape[1])
-        else:
-            out[name] = w
+    halves = {n: w for n, w in weights.items() if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in types}
+    if not halves or any(w.shape[1] % 32 for w in halves.values()):
+        return None
+    out = dict(weights)
+    for name, w in halves.items():
+        w = w.contiguous()
+        out[name] = GGMLWeights(w.view(torch.uint8).view(w.shape[0], -1), types[w.dtype], w.shape[0], w.shape[1])
     return out
 
 
