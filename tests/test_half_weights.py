@@ -61,6 +61,30 @@ def test_a_rows_half_product_does_not_depend_on_the_rows_beside_it(dtype):
         assert torch.equal(bg.gemm(x[:t], wb)[:1], bg.gemm(x[:1], wb)), t
 
 
+@pytest.mark.skipif(not bg.uses_vnni(), reason="this CPU has no AVX512-VNNI: the kernel runs its AVX2 build")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(dtype):
+    """The VNNI build's 512-bit chains are the AVX2 build's pairs of 256-bit ones (16 lanes over k, the
+    two halves summed, then `hsum`): the same bits at every tile of rows (1-9), plain and fused, and
+    `dense_rows` too, with a tail past the last 16 values of K."""
+    avx2 = bg.load_cpu_extension("forklm_block_gemm", bg._SOURCE)
+    vnni = bg._extension()
+    assert avx2 is not vnni and "vnni" in vnni.__name__  # the VNNI build, not a silent fallback
+    torch.manual_seed(12)
+    N, K = 71, 224
+    w = torch.randn(N, K).to(dtype)
+    fn = {torch.bfloat16: "gemm_bf16", torch.float16: "gemm_f16"}[dtype]
+    g, eps = torch.rand(K) + 0.5, 1e-5
+    for t in (1, 2, 3, 4, 5, 9):
+        x, res = torch.randn(t, K) * 3, torch.randn(t, N)
+        for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, g, res)):
+            a = getattr(avx2, fn)(x, w, mode, nw, eps, r)
+            assert torch.equal(a, getattr(vnni, fn)(x, w, mode, nw, eps, r)), (t, mode)
+        for k in (K, 40, 7):  # 16-lane chains and a tail of 8; a tail alone
+            xd, wd = torch.randn(t, 2, k), torch.randn(2, 13, k)
+            assert torch.equal(avx2.dense_rows(xd, wd), vnni.dense_rows(xd, wd)), (t, k)
+
+
 def test_half_rows_and_lookups_are_the_stored_values():
     torch.manual_seed(1)
     w = torch.randn(50, 64).to(torch.bfloat16)

@@ -2904,26 +2904,66 @@ int64_t repack_rows(const std::string& type_name, const torch::Tensor& raw, int6
   return bad.load();
 }
 
-// Dense float32 products whose every output is one dot product in a fixed order (8 lanes over K
-// ascending, `hsum`, then the tail in order), whatever the number of rows or the tile a row shares:
+// 16 float32 lanes, each an FMA chain over k ≡ lane (mod 16) in k order, summed as `hsum` of the two
+// halves' sum: one 512-bit vector in the VNNI build, two 256-bit ones (lanes 0-7, 8-15) in the AVX2
+// build (the same chains, so the same bits in both builds). The float products whose results must not
+// depend on the rows beside them (`dense_tile`, `half_tile`) use this order. (Raw vector arrays, not a
+// struct around them: GCC kept an array of such structs in memory, storing every chain each step.)
+#if FORKLM_VNNI
+using Chain = __m512;
+constexpr int CHAIN_PARTS = 1;  // vectors a 16-lane chain
+inline Chain chain_zero() { return _mm512_setzero_ps(); }
+inline Chain chain_load(const float* p) { return _mm512_loadu_ps(p); }
+template <bool BF16>
+inline Chain chain_widen(const uint16_t* p) {  // 16 bfloat16 / float16 values widened exactly
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else return _mm512_cvtph_ps(h);
+}
+inline Chain chain_fma(Chain a, Chain b, Chain c) { return _mm512_fmadd_ps(a, b, c); }
+inline float chain_sum(const Chain* c) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c[0]), 1));  // (AVX512F, not DQ)
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(c[0]), hi));
+}
+#else
+using Chain = __m256;
+constexpr int CHAIN_PARTS = 2;
+inline Chain chain_zero() { return _mm256_setzero_ps(); }
+inline Chain chain_load(const float* p) { return _mm256_loadu_ps(p); }
+template <bool BF16>
+inline Chain chain_widen(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else return _mm256_cvtph_ps(h);
+}
+inline Chain chain_fma(Chain a, Chain b, Chain c) { return _mm256_fmadd_ps(a, b, c); }
+inline float chain_sum(const Chain* c) { return hsum(_mm256_add_ps(c[0], c[1])); }
+#endif
+constexpr int CHAIN_STEP = 16 / CHAIN_PARTS;  // lanes a vector
+
+// Dense float32 products whose every output is one dot product in a fixed order (`Chain`s over K
+// ascending, their sum, then the tail in order), whatever the number of rows or the tile a row shares:
 // y[t, b, n] = Σ_k x[t, b, k] · w[b, n, k]. PyTorch's float32 products pick other kernels for few
 // rows (a row's result then depends on how many rows there are); the small float products around
 // quantized ones (a router, DeepSeek's W_UK / W_UV) run here so that a sample never depends on n.
 template <int R>
 void dense_tile(const float* x, int64_t x_row, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                 int64_t y_row) {
-  const int64_t K8 = K / 8 * 8;
+  constexpr int P = CHAIN_PARTS;
+  const int64_t K16 = K / 16 * 16;
   for (int64_t n = n0; n < n1; ++n) {
     const float* wn = w + n * K;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K8; k += 8) {
-      const __m256 wv = _mm256_loadu_ps(wn + k);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_row + k), wv, acc[r]);
-    }
+    Chain acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < P; ++h) acc[r][h] = chain_zero();
+    for (int64_t k = 0; k < K16; k += 16)
+      for (int h = 0; h < P; ++h) {
+        const Chain wv = chain_load(wn + k + h * CHAIN_STEP);
+        for (int r = 0; r < R; ++r) acc[r][h] = chain_fma(chain_load(x + r * x_row + k + h * CHAIN_STEP), wv, acc[r][h]);
+      }
     for (int r = 0; r < R; ++r) {
-      float s = hsum(acc[r]);
-      for (int64_t k = K8; k < K; ++k) s = std::fma(x[r * x_row + k], wn[k], s);
+      float s = chain_sum(acc[r]);
+      for (int64_t k = K16; k < K; ++k) s = std::fma(x[r * x_row + k], wn[k], s);
       y[r * y_row + n] = s;
     }
   }
@@ -2958,17 +2998,10 @@ torch::Tensor dense_rows(const torch::Tensor& x_in, const torch::Tensor& w_in) {
 
 // Float weights kept as stored, 16 bits a value (GGUF / Hugging Face bfloat16 or float16 matrices),
 // times float32 activations in float32: each value widened exactly (bfloat16: its bits shifted up;
-// float16: F16C), then `dense_tile`'s order: per output 8 lanes over k, a chain of FMAs in k order,
-// the lanes summed (`hsum`), the tail after; so a row's result depends on that row alone and equals
-// `dense_rows` on the widened weights bit for bit. TO outputs × R rows a tile (the lanes' FMA chains
-// side by side: a lone row runs 8 outputs at once, enough chains to hide the FMA latency).
-template <bool BF16>
-inline __m256 widen8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  else return _mm256_cvtph_ps(h);
-}
-
+// float16: F16C), then `dense_tile`'s order (`Chain`: 16 FMA chains over k, their sum, the tail
+// after); so a row's result depends on that row alone and equals `dense_rows` on the widened weights
+// bit for bit, in both builds. TO outputs × R rows a tile (the chains side by side: a lone row runs 8
+// outputs at once, enough chains to hide the FMA latency).
 template <bool BF16>
 inline float widen1(uint16_t h) {
   if constexpr (BF16) {
@@ -2986,29 +3019,33 @@ inline float widen1(uint16_t h) {
 template <bool BF16, int R, int TO>
 inline void half_tile(const float* x, int64_t K, const uint16_t* w, int64_t n, float* y, int64_t N, const float* res,
                       const uint16_t* ahead, int64_t ahead_bytes) {
-  const int64_t K8 = K / 8 * 8;
+  constexpr int P = CHAIN_PARTS;
+  const int64_t K16 = K / 16 * 16;
   const uint16_t* wn[TO];
   for (int o = 0; o < TO; ++o) wn[o] = w + (n + o) * K;
-  __m256 acc[R][TO];
+  Chain acc[R][TO][P];
   for (int r = 0; r < R; ++r)
-    for (int o = 0; o < TO; ++o) acc[r][o] = _mm256_setzero_ps();
+    for (int o = 0; o < TO; ++o)
+      for (int h = 0; h < P; ++h) acc[r][o][h] = chain_zero();
   const char* pf = reinterpret_cast<const char*>(ahead);
   int64_t pf_at = 0;
-  for (int64_t k = 0; k < K8; k += 8) {
+  for (int64_t k = 0; k < K16; k += 16) {
     if (pf != nullptr)
-      for (const int64_t until = std::min(ahead_bytes, (k + 8) * TO * 2); pf_at < until; pf_at += 64)
+      for (const int64_t until = std::min(ahead_bytes, (k + 16) * TO * 2); pf_at < until; pf_at += 64)
         _mm_prefetch(pf + pf_at, _MM_HINT_T0);
-    __m256 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
-    for (int o = 0; o < TO; ++o) {
-      const __m256 wv = widen8<BF16>(wn[o] + k);
-      for (int r = 0; r < R; ++r) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
+    for (int h = 0; h < P; ++h) {
+      Chain xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = chain_load(x + r * K + k + h * CHAIN_STEP);
+      for (int o = 0; o < TO; ++o) {
+        const Chain wv = chain_widen<BF16>(wn[o] + k + h * CHAIN_STEP);
+        for (int r = 0; r < R; ++r) acc[r][o][h] = chain_fma(xv[r], wv, acc[r][o][h]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < TO; ++o) {
-      float s = hsum(acc[r][o]);
-      for (int64_t k = K8; k < K; ++k) s = std::fma(x[r * K + k], widen1<BF16>(wn[o][k]), s);
+      float s = chain_sum(acc[r][o]);
+      for (int64_t k = K16; k < K; ++k) s = std::fma(x[r * K + k], widen1<BF16>(wn[o][k]), s);
       float* yo = y + r * N + n + o;
       *yo = res != nullptr ? res[r * N + n + o] + s : s;  // residual + x·Wᵀ, one rounding
     }
@@ -3055,10 +3092,10 @@ torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, in
       const int64_t n0 = c * CHUNK, n1 = std::min(N, n0 + CHUNK);
       const auto rows = [&](auto r_const, int64_t t) {
         constexpr int R = decltype(r_const)::value;
-#if FORKLM_VNNI  // 32 vector registers (AVX-512VL): 16 chains of 4 rows x 4 outputs
+#if FORKLM_VNNI  // 32 vector registers: 16 chains of 4 rows x 4 outputs, one register each
         constexpr int TO = R == 1 ? 8 : R == 2 ? 6 : 4;
-#else
-        constexpr int TO = R == 1 ? 8 : R == 2 ? 4 : 2;
+#else  // 16 vector registers, two a chain
+        constexpr int TO = R == 1 ? 4 : R == 2 ? 2 : 1;
 #endif
         const float* xr = xp + t * K;
         float* yr = yp + t * N;
