@@ -30,7 +30,7 @@ def kernels_report() -> dict[str, str]:
                   else ", AMX tiles off (FORKLM_BLOCK_KERNEL_AMX=0 or Linux refused the tile data)")
     block = state(block_gemm.build_error(), f"built ({build})")
     return {
-        "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)": block,
+        "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, F16)": block,
         "ggml dot products (every other GGUF type)": state(ggml_gemm.build_error(), f"built ({ggml_gemm.ggml_dir()})"),
         "C++ attention": state(cpu_attention.build_error(),
                                "built (AVX-512 tiles at many query rows)" if cpu_attention.loaded_build() == "AVX512-VNNI"

@@ -1,7 +1,7 @@
 """Weights kept quantized at run time: int8 per-output-channel and int4 group-wise weight-only
 formats over PyTorch's CPU kernels, and a GGUF file's blocks kept as stored: Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL / IQ4_XS on forklm's block kernel (`BlockLinear`), every other type ggml runs
-on ggml's dot products (`GGMLLinear`).
+Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL / IQ4_XS / BF16 / F16 on forklm's block kernel (`BlockLinear`), every other
+type ggml runs on ggml's dot products (`GGMLLinear`).
 
 Formats (w: a weight [out, in]; x: activations [T, in]; y = x @ wᵀ):
     int8   w = q · s[out]                        q int8 in [-127, 127], s per output channel;
