@@ -17,26 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from bench.machine import machine_info
+from bench.quant_kernels import time_ms
 from forklm.kernels import block_gemm
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def measure(shapes: list[tuple[int, int]], rows: list[int], dtype: torch.dtype) -> list[dict]:
@@ -50,13 +38,12 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], dtype: torch.dtype) 
         for t in rows:
             x = torch.randn(t, k, generator=gen)
             xh = x.to(dtype)
-            reps = 50 if t <= 32 else 10
             y = product(x, w, block_gemm.PLAIN, None, 0.0, None)
             ref = F.linear(x.double(), wf.double())
             row = {"n": n, "k": k, "rows": t,
-                   "forklm_ms": median_ms(lambda: product(x, w, block_gemm.PLAIN, None, 0.0, None), reps),
-                   "torch_16bit_ms": median_ms(lambda: F.linear(xh, w), reps),
-                   "torch_float32_ms": median_ms(lambda: F.linear(x, wf), reps),
+                   "forklm_ms": time_ms(lambda: product(x, w, block_gemm.PLAIN, None, 0.0, None)),
+                   "torch_16bit_ms": time_ms(lambda: F.linear(xh, w)),
+                   "torch_float32_ms": time_ms(lambda: F.linear(x, wf)),
                    "forklm_rel_err": ((y.double() - ref).norm() / ref.norm()).item()}
             print(f"{n} x {k}, {t} rows: forklm {row['forklm_ms']:.3f} ms, PyTorch {dtype} {row['torch_16bit_ms']:.3f}, "
                   f"float32 {row['torch_float32_ms']:.3f}", flush=True)

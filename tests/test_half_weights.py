@@ -161,3 +161,11 @@ def test_a_half_folder_runs_its_matrices_as_stored_exactly(tmp_path, variant, dt
     assert one.token_ids == many.token_ids and one.logprobs == many.logprobs
     dense = LLM(str(tmp_path), quantize=None)
     assert dense.quantize is None and not isinstance(dense.model.layers[0]["qkv"], BlockLinear)
+
+
+def test_the_half_kernels_bench_times_checked_products():
+    from bench.half_kernels import measure
+
+    (row,) = measure([(40, 64)], [3], torch.bfloat16)
+    assert row["rows"] == 3 and row["forklm_rel_err"] < 1e-6
+    assert min(row["forklm_ms"], row["torch_16bit_ms"], row["torch_float32_ms"]) > 0

@@ -4,8 +4,8 @@ same llama.cpp sources forklm benchmarks against).
 
 Which types come here: those forklm's block kernel (block_gemm.py) does not run (F32 matrices, and
 F16 / BF16 ones whose rows are not a multiple of 32), a Q4_0 / Q5_0 tensor whose minimum overflows
-float16, and every GGUF product where the block kernel is not built. ggml's kernels are llama.cpp's own, so such a file's arithmetic is the one its
-publisher measured; the block kernel's multi-row tiles are 2-3.5x faster from 8 rows on the types
+float16, and every GGUF product where the block kernel is not built. ggml's kernels are llama.cpp's
+own, so such a file's arithmetic is the one its publisher measured; the block kernel's multi-row tiles are 2-3.5x faster from 8 rows on the types
 both run, so those go there. Each activation row is converted to the type's
 `vec_dot_type` (Q8_0 / Q8_1 / Q8_K blocks or F16 / BF16) on its own and each output is one
 `vec_dot` of a weight row with an activation row: a row's result depends on that row alone,
