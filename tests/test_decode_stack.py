@@ -92,6 +92,10 @@ def as_blocks(w: torch.Tensor, kind: str):
 
     if kind in ("q4_k_r8", "q5_k_r8", "q6_k_r8"):  # (the layouts GGUF Q4_K / Q5_K / Q6_K files load as)
         return bg.interleave_r8(as_blocks(w, kind[:-3]))
+    if kind == "f16":  # float weights as stored, gathered as a file's fused q/k/v is: parts where they lie
+        h, half = w.to(torch.float16), w.shape[0] // 2
+        order = torch.arange(half).flip(0)  # the first part's rows stored reversed
+        return bg.gather_half([(h[:half][order].contiguous(), order), (h[half:].contiguous(), None)])
     if kind in bg.HALF_KINDS:  # float weights as stored (GGUF BF16 / F16)
         return bg.pack_half(w.to(bg.HALF_DTYPES[kind]))
     n, k = w.shape

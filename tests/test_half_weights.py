@@ -85,6 +85,51 @@ def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(dtype):
             assert torch.equal(avx2.dense_rows(xd, wd), vnni.dense_rows(xd, wd)), (t, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gathered_half_parts_equal_their_copy_bit_for_bit(dtype):
+    """Parts read where they lie through a table of row addresses (a fused q/k/v on the mapped file,
+    rows reordered, a part a strided slice of a bigger matrix): the same bits as the gathered copy at
+    every tile of rows, plain and fused, and the table's lookups and values are the parts' rows."""
+    torch.manual_seed(21)
+    K = 160
+    big = torch.randn(40, K).to(dtype)
+    q, kk, v = (torch.randn(n, K).to(dtype) for n in (24, 9, 9))
+    part_b = big[10:19]  # a contiguous slice: its rows start past the matrix's first
+    order_q = torch.randperm(24)
+    wg = bg.gather_half([(q, order_q), (part_b, None), (kk, torch.arange(9).flip(0)), (v, None)])
+    copy = torch.cat([q[order_q], part_b, kk.flip(0), v])
+    assert wg.n == copy.shape[0] and wg.k == K and wg.qs.dtype == torch.int64
+    assert torch.equal(wg.values(), copy)
+    wc = bg.pack_half(copy)
+    g, eps = torch.rand(K) + 0.5, 1e-5
+    for t in (1, 2, 3, 4, 5, 9, 33):
+        x, res = torch.randn(t, K) * 2, torch.randn(t, copy.shape[0])
+        assert torch.equal(bg.gemm(x, wg), bg.gemm(x, wc)), t
+        assert torch.equal(bg.gemm(x, wg, norm_weight=g, eps=eps, residual=res),
+                           bg.gemm(x, wc, norm_weight=g, eps=eps, residual=res)), t
+    xu = torch.randn(3, 2 * K)
+    assert torch.equal(bg.gemm(xu, wg, swiglu=True), bg.gemm(xu, wc, swiglu=True))
+    assert rel_err(bg.gemm(x, wg), bg.gemm_reference(x, wg)) < 1e-6
+    ids = torch.tensor([0, 41, 30, 24, 5])
+    assert torch.equal(wg.dequantize_rows(ids), copy.float()[ids])
+    assert torch.equal(wg.rows(ids).dequantize(), copy.float()[ids])
+    assert wg.num_bytes() >= copy.numel() * 2  # the parts it holds are counted
+
+
+def test_bad_gathered_parts_are_refused_with_a_message():
+    a = torch.randn(4, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one dtype and width"):
+        bg.gather_half([(a, None), (torch.randn(4, 32).to(torch.float16), None)])
+    with pytest.raises(ValueError, match="one dtype and width"):
+        bg.gather_half([(a, None), (torch.randn(4, 64).to(torch.bfloat16), None)])
+    with pytest.raises(ValueError, match="one dtype and width"):
+        bg.gather_half([(torch.randn(32, 8).to(torch.bfloat16).t(), None)])  # not contiguous
+    with pytest.raises(ValueError, match="row order"):
+        bg.gather_half([(a, torch.tensor([0, 1, 2, 4]))])
+    with pytest.raises(ValueError, match="no parts"):
+        bg.gather_half([])
+
+
 def test_half_rows_and_lookups_are_the_stored_values():
     torch.manual_seed(1)
     w = torch.randn(50, 64).to(torch.bfloat16)

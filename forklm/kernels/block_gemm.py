@@ -236,7 +236,9 @@ class BlockWeights:
           w = ds·sc·IQ4_NL_LEVELS[q] (run as the K-quants, in integers per super-block).
     bf16 / f16: float weights as stored, qs bfloat16 / float16 [N, K] (GGUF BF16 / F16 tensors, often the
           mapped file itself), d empty, m None: w = qs, multiplied in float32 with float32 activations
-          (`pack_half`; no activation quantization).
+          (`pack_half`; no activation quantization). Gathered from parts (`gather_half`: a fused q/k/v
+          where the file maps each, rows in any order): qs int64 [N] the rows' addresses, sources the
+          parts (each matrix [n_p, K] and its rows' order or None), held while the weights are.
     """
 
     kind: str
@@ -250,12 +252,21 @@ class BlockWeights:
     dm: torch.Tensor | None = None  # q4_k / q5_k only
     q2: torch.Tensor | None = None  # q6_k / q3_k only
     count: torch.Tensor | None = None  # the interleaved layouts (R8_KINDS) only: int64 [1] holding N
+    sources: tuple | None = None  # bf16 / f16 gathered from parts only: ((matrix [n_p, K], order int64 [n_p] | None), ..)
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm, self.q2, self.count) if t is not None]
+        held = [t for src in self.sources or () for t in src if t is not None]
+        return held + [t for t in (self.qs, self.d, self.m, self.qh, self.sc, self.dm, self.q2, self.count) if t is not None]
+
+    def values(self) -> torch.Tensor:
+        """bf16 / f16 weights [N, K] (gathered from their parts: a copy, for the slow paths; the kernel reads
+        the parts where they are)."""
+        if self.sources is None:
+            return self.qs
+        return torch.cat([w if order is None else w.index_select(0, order) for w, order in self.sources])
 
     def kernel_arrays(self) -> tuple[torch.Tensor, ...]:
         """The arrays in the order the kernel's `gemm_<kind>` takes them."""
@@ -325,7 +336,7 @@ class BlockWeights:
         """The weight rows `ids` (int64 [R]) as blocks of their own (IndexError for an id outside 0..N-1)."""
         self._check_rows(ids)
         if self.kind in HALF_KINDS:
-            return BlockWeights(self.kind, self.qs.index_select(0, ids), self.d, None, int(ids.numel()), self.k)
+            return BlockWeights(self.kind, self.values().index_select(0, ids), self.d, None, int(ids.numel()), self.k)
         if self.kind in R8_KINDS:  # only their lanes are read (an embedding lookup)
             return interleave_r8(deinterleave_r8(self, ids), minima=self.m is not None)
         pick = lambda t: None if t is None else t.index_select(0, ids)
@@ -336,7 +347,7 @@ class BlockWeights:
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d·q (+ m) per block of the unpacked values (bf16 / f16: the values widened)."""
         if self.kind in HALF_KINDS:
-            return self.qs.float()
+            return self.values().float()
         return dequantize_values(*self.unpack())
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -344,7 +355,7 @@ class BlockWeights:
         from their lanes without laying them out interleaved again)."""
         if self.kind in HALF_KINDS:
             self._check_rows(ids)
-            return self.qs.index_select(0, ids).float()
+            return self.values().index_select(0, ids).float()
         if self.kind not in R8_KINDS:
             return self.rows(ids).dequantize()
         if available():  # the same values in one C++ call (tested equal to the tensor operations below)
@@ -448,6 +459,33 @@ def pack_half(w: torch.Tensor) -> BlockWeights:
         raise ValueError(f"bf16 / f16 weights are a bfloat16 or float16 matrix, got {w.dtype} {tuple(w.shape)}")
     _check_k(w.shape[1])
     return BlockWeights(kind, w.contiguous(), torch.empty(0, dtype=torch.float16), None, w.shape[0], w.shape[1])
+
+
+def gather_half(parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> BlockWeights:
+    """bf16 / f16 weights whose rows are the parts' (each a contiguous bfloat16 / float16 matrix [n_p, K]
+    and the order of its rows, int64 [n_p], or None: as they lie) one after the other, read where
+    they are (a table of the rows' addresses, no copy: a fused q/k/v on the mapped file)."""
+    if not parts:
+        raise ValueError("no parts to gather")
+    w0 = parts[0][0]
+    kind = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(w0.dtype)
+    k = w0.shape[-1] if w0.dim() == 2 else -1
+    if kind is None or any(w.dtype != w0.dtype or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous()
+                           or w.device.type != "cpu" for w, _ in parts):
+        raise ValueError("gathered bf16 / f16 parts are contiguous CPU matrices of one dtype and width, got "
+                         + ", ".join(f"{w.dtype} {tuple(w.shape)}" for w, _ in parts))
+    _check_k(k)
+    table, sources = [], []
+    for w, order in parts:
+        n = w.shape[0]
+        rows = torch.arange(n, dtype=torch.int64) if order is None else order.to(torch.int64)
+        if rows.shape != (n,) or (n and (int(rows.min()) < 0 or int(rows.max()) >= n)):
+            raise ValueError(f"a part's row order must be {n} rows of 0..{n - 1}")
+        table.append(w.data_ptr() + rows * (k * w.element_size()))
+        sources.append((w, None if order is None else rows))
+    n = sum(w.shape[0] for w, _ in parts)
+    return BlockWeights(kind, torch.cat(table), torch.empty(0, dtype=torch.float16), None, n, k,
+                        sources=tuple(sources))
 
 
 # blocks with 8 outputs interleaved, in the order of the C++ kernel's `R8Layout`
@@ -784,7 +822,7 @@ def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tenso
     if residual is not None:
         return residual + gemm_reference(x, w)
     if w.kind in HALF_KINDS:  # float weights: the product in float64 on the widened values
-        return (x.double() @ w.qs.double().T).float()
+        return (x.double() @ w.values().double().T).float()
     t, k = x.shape
     act_block = SUPER_BLOCK if w.kind in SUPER_BLOCK_KINDS else BLOCK  # K-quant weights: activations per 256
     qx, dx, sx = quantize_q8_reference(x, block=act_block)

@@ -439,24 +439,16 @@ def half_matrices_as_stored(weights: dict) -> dict | None:
 
 def stored_half_weights(parts: list[GGMLWeights], kind: str):
     """GGUF BF16 / F16 parts fused along `out` as the block kernel's bf16 / f16 weights [N, K]: the file's
-    own values; one part in the stored row order is the mapped file itself (no copy), else the rows are
-    gathered once (Hugging Face order) and the file's pages released."""
+    own values where the file holds them (often the mapped file itself): one part in the stored row
+    order as a matrix, else a table of the parts' rows in Hugging Face order (`gather_half`: no copy)."""
     from forklm.kernels import block_gemm
-    from forklm.models.gguf_file import release_pages
 
     dtype = block_gemm.HALF_DTYPES[kind]
     k = parts[0].k
+    views = [(p.data.contiguous().view(dtype).view(p.n, k), p.row_order) for p in parts]
     if len(parts) == 1 and parts[0].row_order is None:
-        return block_gemm.pack_half(parts[0].data.contiguous().view(dtype).view(parts[0].n, k))
-    rows = []
-    for part in parts:
-        w = part.data.contiguous().view(dtype).view(part.n, k)
-        rows.append(w if part.row_order is None else w.index_select(0, part.row_order.to(torch.int64)))
-    packed = block_gemm.pack_half(torch.cat(rows))
-    for part in parts:
-        if part.mapped:
-            release_pages(part.data)
-    return packed
+        return block_gemm.pack_half(views[0][0])
+    return block_gemm.gather_half(views)
 
 
 def stored_matrix(parts: list[GGMLWeights], block_kernel: bool | None = None, interleave_k: bool | None = None):

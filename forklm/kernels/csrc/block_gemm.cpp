@@ -3014,25 +3014,37 @@ inline float widen1(uint16_t h) {
   }
 }
 
-// `ahead`: the weights of the tile that runs next on this thread (their bytes prefetched a line at a time
-// as this tile's are read: the rows of a wide LM head stream from memory at twice the rate then), or null.
+// Where a half matrix's row n starts: the rows of one matrix [N, K], or a table of each row's address
+// (int64 [N]: the parts of a fused q/k/v or gate/up, each where the file maps it, rows in any order).
+struct HalfRows {
+  const uint16_t* base;
+  const int64_t* table;  // null: row n at base + n·K
+  int64_t K;
+  const uint16_t* operator()(int64_t n) const {
+    return table != nullptr ? reinterpret_cast<const uint16_t*>(table[n]) : base + n * K;
+  }
+};
+
+// `ahead`: the first output of the tile that runs next on this thread and how many of its outputs to
+// prefetch (0: none); their rows' bytes are prefetched a line at a time as this tile's are read (the
+// rows of a wide LM head stream from memory at twice the rate then).
 template <bool BF16, int R, int TO>
-inline void half_tile(const float* x, int64_t K, const uint16_t* w, int64_t n, float* y, int64_t N, const float* res,
-                      const uint16_t* ahead, int64_t ahead_bytes) {
+inline void half_tile(const float* x, int64_t K, const HalfRows& w, int64_t n, float* y, int64_t N, const float* res,
+                      int64_t ahead, int64_t ahead_outs) {
   constexpr int P = CHAIN_PARTS;
   const int64_t K16 = K / 16 * 16;
   const uint16_t* wn[TO];
-  for (int o = 0; o < TO; ++o) wn[o] = w + (n + o) * K;
+  for (int o = 0; o < TO; ++o) wn[o] = w(n + o);
   Chain acc[R][TO][P];
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < TO; ++o)
       for (int h = 0; h < P; ++h) acc[r][o][h] = chain_zero();
-  const char* pf = reinterpret_cast<const char*>(ahead);
-  int64_t pf_at = 0;
+  const char* pf[TO];
+  const int pfs = static_cast<int>(std::min<int64_t>(ahead_outs, TO));
+  for (int o = 0; o < pfs; ++o) pf[o] = reinterpret_cast<const char*>(w(ahead + o));
   for (int64_t k = 0; k < K16; k += 16) {
-    if (pf != nullptr)
-      for (const int64_t until = std::min(ahead_bytes, (k + 16) * TO * 2); pf_at < until; pf_at += 64)
-        _mm_prefetch(pf + pf_at, _MM_HINT_T0);
+    if ((k & 31) == 0)  // a line (32 values) of each next row per 32 values of this tile's
+      for (int o = 0; o < pfs; ++o) _mm_prefetch(pf[o] + k * 2, _MM_HINT_T0);
     for (int h = 0; h < P; ++h) {
       Chain xv[R];
       for (int r = 0; r < R; ++r) xv[r] = chain_load(x + r * K + k + h * CHAIN_STEP);
@@ -3059,11 +3071,14 @@ torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, in
   const ProductInput in = product_input(x_in, mode_in, norm_weight);
   const int64_t T = in.T, K = in.K;
   const auto want = BF16 ? torch::kBFloat16 : torch::kFloat16;
-  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == want && w_in.is_cpu() && w_in.size(1) == K,
-              BF16 ? "bfloat16" : "float16", " weights must be a CPU matrix [N, ", K, "], got ", w_in.scalar_type(), " ",
-              w_in.sizes());
+  const bool table = w_in.dim() == 1 && w_in.scalar_type() == torch::kInt64;
+  TORCH_CHECK(w_in.is_cpu() && (table || (w_in.dim() == 2 && w_in.scalar_type() == want && w_in.size(1) == K)),
+              BF16 ? "bfloat16" : "float16", " weights must be a CPU matrix [N, ", K,
+              "] or an int64 table [N] of its rows' addresses, got ", w_in.scalar_type(), " ", w_in.sizes());
   const torch::Tensor w = w_in.contiguous();
   const int64_t N = w.size(0);
+  const HalfRows wr{table ? nullptr : reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                    table ? w.data_ptr<int64_t>() : nullptr, K};
   const torch::Tensor res = checked_residual(residual, T, N);
   torch::Tensor y = torch::empty({T, N}, torch::kFloat32);
   if (T == 0 || N == 0) return y;
@@ -3081,7 +3096,6 @@ torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, in
     });
     xp = rows;
   }
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   // threads split the outputs in chunks whose weights stay in cache while every tile of rows passes them
@@ -3104,18 +3118,9 @@ torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, in
         // the next tile's weights prefetched where they come from memory (this chunk's first pass of rows;
         // later rows find them in cache), up to the end of this thread's outputs
         const int64_t n_end = t == 0 ? std::min(N, c1 * CHUNK) : 0;
-        const auto ahead = [&](int64_t next, int64_t outs) -> std::pair<const uint16_t*, int64_t> {
-          const int64_t live = std::min(outs, n_end - next);
-          return live > 0 ? std::make_pair(wp + next * K, live * K * 2) : std::make_pair(nullptr, int64_t{0});
-        };
-        for (; n + TO <= n1; n += TO) {
-          const auto [a, ab] = ahead(n + TO, TO);
-          half_tile<BF16, R, TO>(xr, K, wp, n, yr, N, rr, a, ab);
-        }
-        for (; n < n1; ++n) {
-          const auto [a, ab] = ahead(n + 1, 1);
-          half_tile<BF16, R, 1>(xr, K, wp, n, yr, N, rr, a, ab);
-        }
+        const auto live = [&](int64_t next, int64_t outs) { return std::max<int64_t>(0, std::min(outs, n_end - next)); };
+        for (; n + TO <= n1; n += TO) half_tile<BF16, R, TO>(xr, K, wr, n, yr, N, rr, n + TO, live(n + TO, TO));
+        for (; n < n1; ++n) half_tile<BF16, R, 1>(xr, K, wr, n, yr, N, rr, n + 1, live(n + 1, 1));
       };
       int64_t t = 0;
       for (; t + 4 <= T; t += 4) rows(std::integral_constant<int, 4>{}, t);
@@ -3285,9 +3290,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "d ds, m None, sc int8 [G, nb, 16], mq None) as gemm_r8 takes them, n outputs) as float32 [len(ids), K]",
         py::arg("layout"), py::arg("qs"), py::arg("qh"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("ids"),
         py::arg("sc") = py::none(), py::arg("mq") = py::none());
-  m.def("gemm_bf16", &gemm_bf16, "y [T, N] = x [T, K] float32 times bfloat16 weights [N, K] as stored, in float32 "
+  m.def("gemm_bf16", &gemm_bf16, "y [T, N] = x [T, K] float32 times bfloat16 weights [N, K] as stored (or an int64 table [N] of their rows' "
+        "addresses), in float32 "
         "(each output dense_rows' order on the widened weights)", py::call_guard<py::gil_scoped_release>());
-  m.def("gemm_f16", &gemm_f16, "y [T, N] = x [T, K] float32 times float16 weights [N, K] as stored, in float32 "
+  m.def("gemm_f16", &gemm_f16, "y [T, N] = x [T, K] float32 times float16 weights [N, K] as stored (or an int64 table [N] of their rows' "
+        "addresses), in float32 "
         "(each output dense_rows' order on the widened weights)", py::call_guard<py::gil_scoped_release>());
   m.def("dense_rows", &dense_rows, "y [T, B, N] = per b, x [T, B, K] times w [B, N, K] transposed, float32; each "
         "output one dot product in a fixed order whatever T", py::call_guard<py::gil_scoped_release>());
