@@ -30,6 +30,7 @@ from forklm.kernels import block_gemm
 def measure(shapes: list[tuple[int, int]], rows: list[int], dtype: torch.dtype) -> list[dict]:
     ext = block_gemm._extension()
     product = ext.gemm_bf16 if dtype == torch.bfloat16 else ext.gemm_f16
+    amx = dtype == torch.bfloat16 and bool(ext.amx_bf16_enabled())  # AMX-BF16 tiles where K % 32 == 0
     out = []
     gen = torch.Generator().manual_seed(0)
     for n, k in shapes:
@@ -42,10 +43,16 @@ def measure(shapes: list[tuple[int, int]], rows: list[int], dtype: torch.dtype) 
             ref = F.linear(x.double(), wf.double())
             row = {"n": n, "k": k, "rows": t,
                    "forklm_ms": time_ms(lambda: product(x, w, block_gemm.PLAIN, None, 0.0, None)),
-                   "torch_16bit_ms": time_ms(lambda: F.linear(xh, w)),
-                   "torch_float32_ms": time_ms(lambda: F.linear(x, wf)),
-                   "forklm_rel_err": ((y.double() - ref).norm() / ref.norm()).item()}
-            print(f"{n} x {k}, {t} rows: forklm {row['forklm_ms']:.3f} ms, PyTorch {dtype} {row['torch_16bit_ms']:.3f}, "
+                   "forklm_tiles": "AMX-BF16" if amx else "vector"}
+            if amx:  # the vector chains too, AMX off in this process for the one timing
+                ext.set_amx(False)
+                row["forklm_vector_ms"] = time_ms(lambda: product(x, w, block_gemm.PLAIN, None, 0.0, None))
+                ext.set_amx(True)
+            row |= {"torch_16bit_ms": time_ms(lambda: F.linear(xh, w)),
+                    "torch_float32_ms": time_ms(lambda: F.linear(x, wf)),
+                    "forklm_rel_err": ((y.double() - ref).norm() / ref.norm()).item()}
+            vec = f" (vector chains {row['forklm_vector_ms']:.3f})" if amx else ""
+            print(f"{n} x {k}, {t} rows: forklm {row['forklm_ms']:.3f} ms{vec}, PyTorch {dtype} {row['torch_16bit_ms']:.3f}, "
                   f"float32 {row['torch_float32_ms']:.3f}", flush=True)
             out.append(row)
     return out

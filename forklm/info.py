@@ -28,6 +28,8 @@ def kernels_report() -> dict[str, str]:
         ext = block_gemm._extension()
         build += (f", AMX tiles at {ext.AMX_MIN_ROWS}-{ext.AMX_MAX_ROWS} rows" if block_gemm.uses_amx()
                   else ", AMX tiles off (FORKLM_BLOCK_KERNEL_AMX=0 or Linux refused the tile data)")
+        if block_gemm.uses_amx_bf16():
+            build += ", BF16 on AMX-BF16 tiles at every row count (float32 activations split in three bfloat16 parts)"
     block = state(block_gemm.build_error(), f"built ({build})")
     return {
         "block kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, F16)": block,

@@ -3,6 +3,8 @@ products of the widened values, each row's result that row's alone."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -15,6 +17,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@contextlib.contextmanager
+def vector_chains(*modules):
+    """The vector chains for bfloat16 too: the AMX tiles (integer and AMX-BF16) off in these modules."""
+    modules = modules or (bg._extension(),)
+    try:
+        for m in modules:
+            m.set_amx(False)
+        yield
+    finally:
+        for m in modules:
+            m.set_amx(True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,N,K", [(1, 8, 32), (1, 77, 96), (3, 19, 64), (5, 130, 576), (17, 64, 160), (64, 9, 32)])
 def test_half_product_matches_float64_and_dense_rows(dtype, T, N, K):
@@ -25,10 +40,13 @@ def test_half_product_matches_float64_and_dense_rows(dtype, T, N, K):
     w = (torch.randn(N, K) * 0.5).to(dtype)
     x = torch.randn(T, K)
     wb = bg.pack_half(w)
-    y = bg.gemm(x, wb)
+    y = bg.gemm(x, wb)  # (bfloat16 on AMX-BF16 tiles where the CPU has them)
     assert y.shape == (T, N) and y.dtype == torch.float32
     assert rel_err(y, bg.gemm_reference(x, wb)) < 1e-6
-    assert torch.equal(y, bg.dense_rows(x.unsqueeze(1), w.float().unsqueeze(0)).squeeze(1))
+    with vector_chains():
+        yv = bg.gemm(x, wb)
+    assert rel_err(yv, bg.gemm_reference(x, wb)) < 1e-6
+    assert torch.equal(yv, bg.dense_rows(x.unsqueeze(1), w.float().unsqueeze(0)).squeeze(1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -79,7 +97,8 @@ def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(dtype):
         x, res = torch.randn(t, K) * 3, torch.randn(t, N)
         for mode, nw, r in ((bg.PLAIN, None, None), (bg.RMS_NORM, g, res)):
             a = getattr(avx2, fn)(x, w, mode, nw, eps, r)
-            assert torch.equal(a, getattr(vnni, fn)(x, w, mode, nw, eps, r)), (t, mode)
+            with vector_chains(vnni):  # (the AMX-BF16 tiles sum in another order)
+                assert torch.equal(a, getattr(vnni, fn)(x, w, mode, nw, eps, r)), (t, mode)
         for k in (K, 40, 7):  # 16-lane chains and a tail of 8; a tail alone
             xd, wd = torch.randn(t, 2, k), torch.randn(2, 13, k)
             assert torch.equal(avx2.dense_rows(xd, wd), vnni.dense_rows(xd, wd)), (t, k)
@@ -214,3 +233,50 @@ def test_the_half_kernels_bench_times_checked_products():
     (row,) = measure([(40, 64)], [3], torch.bfloat16)
     assert row["rows"] == 3 and row["forklm_rel_err"] < 1e-6
     assert min(row["forklm_ms"], row["torch_16bit_ms"], row["torch_float32_ms"]) > 0
+
+
+@pytest.mark.skipif(not bg.uses_amx_bf16(), reason="no AMX-BF16 here (or FORKLM_BLOCK_KERNEL_AMX=0)")
+@pytest.mark.parametrize("T,N,K", [(1, 8, 32), (1, 77, 96), (7, 130, 576), (16, 64, 160), (17, 33, 2048),
+                                   (33, 100, 256), (40, 16, 64), (64, 9, 32)])
+def test_amx_bf16_tiles_are_float32_class_and_each_rows_own(T, N, K):
+    """bfloat16 weights on AMX-BF16 tiles (activations split exactly into three bfloat16 parts): every
+    output within float32 rounding of the float64 product of the stored values (|error| a few 2^-24
+    of Σ|x·w|), plain, fused (RMSNorm, residual) and through a table of unevenly spaced rows; a row's
+    bits the same alone and among 1..T-1 other rows (blocks of 16 rows and a tail, 16 outputs and a tail)."""
+    torch.manual_seed(T * 7919 + N * 31 + K)
+    w = (torch.randn(N, K) * 0.3).to(torch.bfloat16)
+    x = torch.randn(T, K) * 2
+    x[0, :5] = torch.tensor([1e-30, -3e-38, 6e4, 1.0 + 2**-20, -(2**-17)])  # tiny, large, past bfloat16's bits
+    wb = bg.pack_half(w)
+    y = bg.gemm(x, wb)
+    ref = x.double() @ w.double().t()
+    bound = (x.double().abs() @ w.double().abs().t()) * (K * 2**-24) + 1e-35
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert rel_err(y, ref) < 1e-6
+    with vector_chains():
+        yv = bg.gemm(x, wb)
+    assert rel_err(yv, ref) < 1e-6 and not torch.equal(y, yv) or T * N < 64  # AMX ran: other last bits
+    for t in sorted({1, 2, 15, 16, 17, 31, 32, T - 1} & set(range(1, T))):
+        assert torch.equal(bg.gemm(x[:t], wb), y[:t]), t
+    g, eps, res = torch.rand(K) + 0.5, 1e-5, torch.randn(T, N)
+    fused = bg.gemm(x, wb, norm_weight=g, eps=eps, residual=res)
+    assert rel_err(fused, bg.gemm_reference(x, wb, norm_weight=g, eps=eps, residual=res)) < 1e-6
+    assert torch.equal(bg.gemm(x[:1], wb, norm_weight=g, eps=eps, residual=res[:1]), fused[:1])
+    order = torch.randperm(N)  # rows through a table: reordered (copied per block) and as stored
+    wg = bg.gather_half([(w, order)])
+    assert torch.equal(bg.gemm(x, wg), bg.gemm(x, bg.pack_half(w[order].contiguous())))
+    assert torch.equal(bg.gemm(x, bg.gather_half([(w[: N // 2], None), (w[N // 2 :], None)])), y)
+
+
+@pytest.mark.skipif(not bg.uses_amx_bf16(), reason="no AMX-BF16 here (or FORKLM_BLOCK_KERNEL_AMX=0)")
+def test_amx_bf16_tiles_keep_nan_and_overflow_visible():
+    """A NaN activation gives NaN outputs on the tiles as on the chains; float32 overflow gives inf, not a
+    silent finite value."""
+    w = (torch.randn(20, 64) * 0.3).to(torch.bfloat16)
+    x = torch.randn(3, 64)
+    x[1, 7] = float("nan")
+    x[2, :] = 3e38
+    wb = bg.pack_half(w)
+    y = bg.gemm(x, wb)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+    assert not torch.isfinite(y[2]).any()

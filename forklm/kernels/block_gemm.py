@@ -138,6 +138,16 @@ def uses_amx() -> bool:
     return bool(_extension().amx_enabled())
 
 
+def uses_amx_bf16() -> bool:
+    """Whether bfloat16 products (K a multiple of 32) run on AMX-BF16 tiles here, at every row count:
+    the VNNI build loaded, the CPU has AMX-BF16 and Linux's leave, FORKLM_BLOCK_KERNEL_AMX is not 0.
+    Each float32 activation is split exactly into three bfloat16 parts, so the products stay float32-class
+    (other last bits than the vector chains'; csrc/block_gemm.cpp, "AMX-BF16 tiles")."""
+    if not available() or LOADED_BUILDS.get("forklm_block_gemm") != "AVX512-VNNI":
+        return False
+    return bool(_extension().amx_bf16_enabled())
+
+
 def load_block_kernel_build(name: str, source: Path):
     """A source holding the block kernel, built as `name_vnni` with AVX512-VNNI where `uses_vnni`
     (falling back to the AVX2 build `name` if that build fails: said once, and recorded so that no

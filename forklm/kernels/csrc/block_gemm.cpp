@@ -3063,6 +3063,212 @@ inline void half_tile(const float* x, int64_t K, const HalfRows& w, int64_t n, f
     }
 }
 
+// ------------------------------------------------------------------------------- AMX-BF16 tiles
+// On CPUs with AMX-BF16 (Intel Sapphire Rapids and later) the VNNI build runs bfloat16 products
+// (`gemm_half<true>`, K a multiple of 32) on the tile unit at every row count, so a row's bits never
+// depend on how many rows share the product. Each activation is split exactly into three bfloat16
+// parts, x = h + m + l (h = x rounded to bfloat16, m = the rest rounded, l = what remains: 8 + 8 + 8
+// bits cover float32's 24), and tdpbf16ps adds w·h, then w·m, then w·l a block of 32 at a time into a
+// float32 sum (bfloat16 products are exact in float32): a float32-class dot product of the stored weights
+// with the float32 activations (tested against float64), in another order than the vector chains, so
+// other last bits than `half_tile`'s. A tile is 16 outputs (A: 16 stored weight rows x 32 values, read
+// where they lie at the matrix's stride) x up to 16 rows (B: the rows' parts in pairs, packed per call);
+// where 16 rows of a table are not evenly spaced, or past N, they are copied to a scratch first.
+// FORKLM_BLOCK_KERNEL_AMX=0 (`set_amx`) turns these tiles off as well as the integer ones.
+#if FORKLM_AMX
+#define FORKLM_AMX_BF16_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+bool amx_bf16_supported() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+bool amx_bf16_on() { return amx_on() && amx_bf16_supported(); }
+
+constexpr int BF16_PARTS = 3;  // h, m, l
+
+// 16 float32 lanes rounded to bfloat16, to nearest even (finite values)
+inline __m256i bf16_round(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
+}
+inline __m512 bf16_widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// Rows x [T, K] as B tiles: per block of rows (16, the last T % 16), block of 32 values kt and part s,
+// a tile of 16 pair-rows, pair-row p holding each row j's values 2p and 2p + 1 at 4j bytes (w·4 bytes a
+// pair-row for a block of w rows). Block mb starts at mb · KT · 3 · 512 values (full blocks first).
+void amx_bf16_pack(const float* x, int64_t T, int64_t K, uint16_t* out) {
+  const int64_t KT = K / 32, blocks = (T + 15) / 16;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t mb = b0; mb < b1; ++mb) {
+      const int64_t m0 = mb * 16, w = std::min<int64_t>(16, T - m0);
+      uint32_t* blk = reinterpret_cast<uint32_t*>(out + mb * KT * BF16_PARTS * 512);
+      for (int64_t j = 0; j < w; ++j) {
+        const float* xr = x + (m0 + j) * K;
+        for (int64_t kt = 0; kt < KT; ++kt) {
+          alignas(64) uint16_t parts[BF16_PARTS][32];
+          for (int half = 0; half < 2; ++half) {
+            const __m512 v = _mm512_loadu_ps(xr + kt * 32 + half * 16);
+            const __m256i h = bf16_round(v);
+            const __m512 r = _mm512_sub_ps(v, bf16_widen16(h));  // exact
+            const __m256i m = bf16_round(r);
+            const __m256i l = bf16_round(_mm512_sub_ps(r, bf16_widen16(m)));  // exact: at most 8 bits left
+            _mm256_store_si256(reinterpret_cast<__m256i*>(parts[0] + half * 16), h);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(parts[1] + half * 16), m);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(parts[2] + half * 16), l);
+          }
+          for (int s = 0; s < BF16_PARTS; ++s) {
+            uint32_t* tile = blk + (kt * BF16_PARTS + s) * 16 * w;  // 16 pair-rows of w words
+            const uint32_t* pairs = reinterpret_cast<const uint32_t*>(parts[s]);
+            for (int p = 0; p < 16; ++p) tile[p * w + j] = pairs[p];
+          }
+        }
+      }
+    }
+  });
+}
+
+struct alignas(64) AmxBf16Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C (outputs n-block x row block: 00, 01, 10, 11), 16 x w float32; tmm4 / tmm5: A, 16 weight rows
+// x 32 values; tmm6 / tmm7: B, 16 pair-rows x w rows.
+FORKLM_AMX_BF16_TARGET void amx_bf16_release() { _tile_release(); }
+FORKLM_AMX_BF16_TARGET void amx_bf16_configure(int64_t w) {
+  AmxBf16Config c;
+  for (int i = 0; i < 4; ++i) c.rows[i] = 16, c.colsb[i] = static_cast<uint16_t>(4 * w);
+  c.rows[4] = c.rows[5] = 16, c.colsb[4] = c.colsb[5] = 64;
+  c.rows[6] = c.rows[7] = 16, c.colsb[6] = c.colsb[7] = static_cast<uint16_t>(4 * w);
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// NB output blocks of 16 (A rows at a[i], stride a_stride bytes) times MB row blocks (b[i], w rows each):
+// the sums over K into c[(i·MB + j)·256] (16 x 16 floats, w columns written).
+template <int NB, int MB>
+FORKLM_AMX_BF16_TARGET void amx_bf16_tiles(const uint16_t* const* a, const int64_t* a_stride, const uint16_t* const* b,
+                                           int64_t w, int64_t KT, float* c) {
+  _tile_zero(0);
+  if constexpr (MB == 2) _tile_zero(1);
+  if constexpr (NB == 2) _tile_zero(2);
+  if constexpr (NB == 2 && MB == 2) _tile_zero(3);
+  const int64_t bt = 16 * 2 * w, bstride = 4 * w;  // a B tile's values, its pair-rows' bytes
+  for (int64_t kt = 0; kt < KT; ++kt) {
+    _tile_loadd(4, a[0] + kt * 32, a_stride[0]);
+    if constexpr (NB == 2) _tile_loadd(5, a[1] + kt * 32, a_stride[1]);
+    for (int s = 0; s < BF16_PARTS; ++s) {
+      const int64_t off = (kt * BF16_PARTS + s) * bt;
+      _tile_loadd(6, b[0] + off, bstride);
+      if constexpr (MB == 2) _tile_loadd(7, b[1] + off, bstride);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (MB == 2) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (NB == 2) _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB == 2 && MB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (MB == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (NB == 2) _tile_stored(2, c + MB * 256, 64);
+  if constexpr (NB == 2 && MB == 2) _tile_stored(3, c + 3 * 256, 64);
+}
+
+// y [T, N] (+ residual) = rows xp [T, K] (after the prologue) times the bfloat16 rows w [N, K] transposed.
+void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int64_t N,
+                                          float* y, const float* res) {
+  const int64_t KT = K / 32, full = T / 16, tail = T % 16, blocks = full + (tail ? 1 : 0);
+  thread_local std::vector<uint16_t> packed_buf;  // (the calling thread's; read by every worker)
+  packed_buf.resize(blocks * KT * BF16_PARTS * 512);
+  uint16_t* packed = packed_buf.data();
+  amx_bf16_pack(xp, T, K, packed);
+  const int64_t nblk = (N + 15) / 16;
+  // threads split the outputs in chunks of 16-output blocks whose weights stay in L2 while every block
+  // of rows passes them (~512 KB), at least 4 chunks a thread where there are outputs enough
+  int64_t chunk = std::max<int64_t>(2, (512 << 10) / (16 * K * 2)) / 2 * 2;
+  const int64_t want = 4 * at::get_num_threads();
+  while (chunk > 2 && (nblk + chunk - 1) / chunk < want) chunk -= 2;
+  const int64_t chunks = (nblk + chunk - 1) / chunk;
+  const int64_t row_bytes = K * 2;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    thread_local std::vector<uint16_t> scratch;  // a chunk's blocks whose 16 rows are not evenly spaced, copied
+    std::vector<const uint16_t*> a(chunk);
+    alignas(64) float cbuf[4 * 256];
+    int64_t configured = -1;
+    const auto configure = [&](int64_t w) {
+      if (configured != w) amx_bf16_configure(w), configured = w;
+    };
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t nb0 = c * chunk, nb1 = std::min(nblk, nb0 + chunk);
+      int64_t copies = 0;
+      for (int64_t nb = nb0; nb < nb1; ++nb) {  // block nb's 16 rows: where they lie, else a copy
+        const int64_t n0 = nb * 16, rows = std::min<int64_t>(16, N - n0);
+        const uint16_t* first = w(n0);
+        bool even = rows == 16;
+        for (int64_t r = 1; even && r < 16; ++r) even = w(n0 + r) == first + r * K;
+        if (even) {
+          a[nb - nb0] = first;
+          continue;
+        }
+        if (scratch.size() < static_cast<size_t>((copies + 1) * 16 * K)) scratch.resize((copies + 1) * 16 * K);
+        uint16_t* s = scratch.data() + copies * 16 * K;
+        for (int64_t r = 0; r < 16; ++r) {
+          if (r < rows) std::memcpy(s + r * K, w(n0 + r), row_bytes);
+          else std::memset(s + r * K, 0, row_bytes);
+        }
+        a[nb - nb0] = nullptr;  // resolved below
+        copies++;
+      }
+      for (int64_t nb = nb0, copy = 0; nb < nb1; ++nb)  // (scratch may have moved while it grew)
+        if (a[nb - nb0] == nullptr) a[nb - nb0] = scratch.data() + (copy++) * 16 * K;
+      const int64_t strides[2] = {row_bytes, row_bytes};
+      // every block of rows (two at a time) past the chunk's outputs (two blocks at a time), whose weights
+      // stay in cache from the first block of rows on
+      for (int64_t mb = 0; mb < blocks;) {
+        const int64_t wdt = mb < full ? 16 : tail;
+        const int MBS = mb + 1 < full ? 2 : 1;  // two full blocks at once; the tail alone
+        configure(wdt);
+        const uint16_t* b[2] = {packed + mb * KT * BF16_PARTS * 512, packed + (mb + 1) * KT * BF16_PARTS * 512};
+        for (int64_t nb = nb0; nb < nb1;) {
+          const int NBS = nb + 1 < nb1 ? 2 : 1;
+          const uint16_t* const* an = a.data() + (nb - nb0);
+          if (NBS == 2 && MBS == 2) amx_bf16_tiles<2, 2>(an, strides, b, wdt, KT, cbuf);
+          else if (NBS == 2) amx_bf16_tiles<2, 1>(an, strides, b, wdt, KT, cbuf);
+          else if (MBS == 2) amx_bf16_tiles<1, 2>(an, strides, b, wdt, KT, cbuf);
+          else amx_bf16_tiles<1, 1>(an, strides, b, wdt, KT, cbuf);
+          for (int i = 0; i < NBS; ++i) {
+            const int64_t n0 = (nb + i) * 16, rows = std::min<int64_t>(16, N - n0);
+            for (int j = 0; j < MBS; ++j) {
+              const float* cc = cbuf + (i * MBS + j) * 256;
+              for (int64_t t = 0; t < wdt; ++t) {
+                const int64_t row = (mb + j) * 16 + t;
+                float* yo = y + row * N + n0;
+                const float* ro = res != nullptr ? res + row * N + n0 : nullptr;
+                for (int64_t o = 0; o < rows; ++o) yo[o] = ro != nullptr ? ro[o] + cc[o * 16 + t] : cc[o * 16 + t];
+              }
+            }
+          }
+          nb += NBS;
+        }
+        mb += MBS;
+      }
+    }
+    if (configured >= 0) amx_bf16_release();
+    if (scratch.capacity() > (size_t{4} << 20)) std::vector<uint16_t>().swap(scratch);
+  });
+  if (packed_buf.capacity() > (size_t{8} << 20)) std::vector<uint16_t>().swap(packed_buf);
+}
+#else
+bool amx_bf16_supported() { return false; }
+bool amx_bf16_on() { return false; }
+#endif
+
 // y [T, N] = prologue(x) [T, K] times w [N, K] (bfloat16 / float16 as stored) transposed, + residual.
 template <bool BF16>
 torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, int64_t mode_in,
@@ -3098,6 +3304,13 @@ torch::Tensor gemm_half(const torch::Tensor& x_in, const torch::Tensor& w_in, in
   }
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
+#if FORKLM_AMX
+  if (BF16 && K % 32 == 0 && amx_bf16_on()) {  // a rule of the CPU and the shape, never of T
+    amx_bf16_gemm(xp, T, K, wr, N, yp, rp);
+    if (rows_buf.capacity() > (size_t{8} << 20)) std::vector<float>().swap(rows_buf);
+    return y;
+  }
+#endif
   // threads split the outputs in chunks whose weights stay in cache while every tile of rows passes them
   constexpr int64_t CHUNK = 64;
   const int64_t chunks = (N + CHUNK - 1) / CHUNK;
@@ -3231,6 +3444,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_supported", &amx_supported, "whether this build runs AMX tiles on this CPU (AMX-INT8, Linux's leave)");
   m.def("amx_enabled", &amx_on, "whether products of AMX_MIN_ROWS to AMX_MAX_ROWS rows run on the AMX tiles");
   m.def("set_amx", &set_amx, "turn the AMX tiles on (where supported) or off in this process");
+  m.def("amx_bf16_enabled", &amx_bf16_on, "whether bfloat16 products (K a multiple of 32) run on the AMX-BF16 tiles");
   m.attr("AMX_MIN_ROWS") = AMX_MIN_ROWS;
   m.attr("AMX_MAX_ROWS") = AMX_MAX_ROWS;
   m.def("gemm_q4_1", &gemm_q4_1, "y [T, N] = x [T, K] float32 times Q4_1 weights (qs [N, K/2], d fp16 [N, K/32], m fp16 [ceil(N/8), K/32, 8])",
