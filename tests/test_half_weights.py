@@ -237,12 +237,13 @@ def test_the_half_kernels_bench_times_checked_products():
 
 @pytest.mark.skipif(not bg.uses_amx_bf16(), reason="no AMX-BF16 here (or FORKLM_BLOCK_KERNEL_AMX=0)")
 @pytest.mark.parametrize("T,N,K", [(1, 8, 32), (1, 77, 96), (7, 130, 576), (16, 64, 160), (17, 33, 2048),
-                                   (33, 100, 256), (40, 16, 64), (64, 9, 32)])
+                                   (33, 100, 256), (40, 16, 64), (64, 9, 32), (33, 40, 4160), (5, 24, 8192)])
 def test_amx_bf16_tiles_are_float32_class_and_each_rows_own(T, N, K):
     """bfloat16 weights on AMX-BF16 tiles (activations split exactly into three bfloat16 parts): every
     output within float32 rounding of the float64 product of the stored values (|error| a few 2^-24
     of Σ|x·w|), plain, fused (RMSNorm, residual) and through a table of unevenly spaced rows; a row's
-    bits the same alone and among 1..T-1 other rows (blocks of 16 rows and a tail, 16 outputs and a tail)."""
+    bits the same alone and among 1..T-1 other rows (blocks of 16 rows and a tail, 16 outputs and a tail,
+    K past 2,048 in slices)."""
     torch.manual_seed(T * 7919 + N * 31 + K)
     w = (torch.randn(N, K) * 0.3).to(torch.bfloat16)
     x = torch.randn(T, K) * 2
@@ -272,7 +273,8 @@ def test_amx_bf16_tiles_are_float32_class_and_each_rows_own(T, N, K):
 def test_amx_bf16_tiles_keep_nan_and_overflow_visible():
     """A NaN activation gives NaN outputs on the tiles as on the chains; float32 overflow gives inf, not a
     silent finite value."""
-    w = (torch.randn(20, 64) * 0.3).to(torch.bfloat16)
+    torch.manual_seed(4)
+    w = (torch.rand(20, 64) + 0.5).to(torch.bfloat16)  # positive: row 2's sums pass float32's largest
     x = torch.randn(3, 64)
     x[1, 7] = float("nan")
     x[2, :] = 3e38

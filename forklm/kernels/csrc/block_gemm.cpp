@@ -3153,15 +3153,23 @@ FORKLM_AMX_BF16_TARGET void amx_bf16_configure(int64_t w) {
 
 // NB output blocks of 16 (A rows at a[i], stride a_stride bytes) times MB row blocks (b[i], w rows each):
 // the sums over K into c[(i·MB + j)·256] (16 x 16 floats, w columns written).
+// Blocks of 32 values kt0..kt1 of K; resume: the sums so far from c (a slice of K after another), else zero.
 template <int NB, int MB>
 FORKLM_AMX_BF16_TARGET void amx_bf16_tiles(const uint16_t* const* a, const int64_t* a_stride, const uint16_t* const* b,
-                                           int64_t w, int64_t KT, float* c) {
-  _tile_zero(0);
-  if constexpr (MB == 2) _tile_zero(1);
-  if constexpr (NB == 2) _tile_zero(2);
-  if constexpr (NB == 2 && MB == 2) _tile_zero(3);
+                                           int64_t w, int64_t kt0, int64_t kt1, float* c, bool resume) {
+  if (resume) {  // (float32 sums stored and loaded exactly: the same bits as one pass over K)
+    _tile_loadd(0, c, 64);
+    if constexpr (MB == 2) _tile_loadd(1, c + 256, 64);
+    if constexpr (NB == 2) _tile_loadd(2, c + MB * 256, 64);
+    if constexpr (NB == 2 && MB == 2) _tile_loadd(3, c + 3 * 256, 64);
+  } else {
+    _tile_zero(0);
+    if constexpr (MB == 2) _tile_zero(1);
+    if constexpr (NB == 2) _tile_zero(2);
+    if constexpr (NB == 2 && MB == 2) _tile_zero(3);
+  }
   const int64_t bt = 16 * 2 * w, bstride = 4 * w;  // a B tile's values, its pair-rows' bytes
-  for (int64_t kt = 0; kt < KT; ++kt) {
+  for (int64_t kt = kt0; kt < kt1; ++kt) {
     _tile_loadd(4, a[0] + kt * 32, a_stride[0]);
     if constexpr (NB == 2) _tile_loadd(5, a[1] + kt * 32, a_stride[1]);
     for (int s = 0; s < BF16_PARTS; ++s) {
@@ -3191,7 +3199,10 @@ void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int
   const int64_t nblk = (N + 15) / 16;
   // threads split the outputs in chunks of 16-output blocks whose weights stay in L2 while every block
   // of rows passes them (~512 KB), at least 4 chunks a thread where there are outputs enough
-  int64_t chunk = std::max<int64_t>(2, (512 << 10) / (16 * K * 2)) / 2 * 2;
+  // K past 2,048 values runs in slices (the sums carried in float32 between them): a block pair of rows'
+  // parts and the chunk's weights then stay in L2 together
+  const int64_t KS = std::min<int64_t>(KT, 64), slices = (KT + KS - 1) / KS;
+  int64_t chunk = std::max<int64_t>(2, (512 << 10) / (16 * KS * 32 * 2)) / 2 * 2;
   const int64_t want = 4 * at::get_num_threads();
   while (chunk > 2 && (nblk + chunk - 1) / chunk < want) chunk -= 2;
   const int64_t chunks = (nblk + chunk - 1) / chunk;
@@ -3199,6 +3210,7 @@ void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     thread_local std::vector<uint16_t> scratch;  // a chunk's blocks whose 16 rows are not evenly spaced, copied
     std::vector<const uint16_t*> a(chunk);
+    thread_local std::vector<float> sums;  // a sliced K's float32 sums: per pair of output blocks and block of rows
     alignas(64) float cbuf[4 * 256];
     int64_t configured = -1;
     const auto configure = [&](int64_t w) {
@@ -3228,39 +3240,46 @@ void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int
       for (int64_t nb = nb0, copy = 0; nb < nb1; ++nb)  // (scratch may have moved while it grew)
         if (a[nb - nb0] == nullptr) a[nb - nb0] = scratch.data() + (copy++) * 16 * K;
       const int64_t strides[2] = {row_bytes, row_bytes};
-      // every block of rows (two at a time) past the chunk's outputs (two blocks at a time), whose weights
-      // stay in cache from the first block of rows on
-      for (int64_t mb = 0; mb < blocks;) {
-        const int64_t wdt = mb < full ? 16 : tail;
-        const int MBS = mb + 1 < full ? 2 : 1;  // two full blocks at once; the tail alone
-        configure(wdt);
-        const uint16_t* b[2] = {packed + mb * KT * BF16_PARTS * 512, packed + (mb + 1) * KT * BF16_PARTS * 512};
-        for (int64_t nb = nb0; nb < nb1;) {
-          const int NBS = nb + 1 < nb1 ? 2 : 1;
-          const uint16_t* const* an = a.data() + (nb - nb0);
-          if (NBS == 2 && MBS == 2) amx_bf16_tiles<2, 2>(an, strides, b, wdt, KT, cbuf);
-          else if (NBS == 2) amx_bf16_tiles<2, 1>(an, strides, b, wdt, KT, cbuf);
-          else if (MBS == 2) amx_bf16_tiles<1, 2>(an, strides, b, wdt, KT, cbuf);
-          else amx_bf16_tiles<1, 1>(an, strides, b, wdt, KT, cbuf);
-          for (int i = 0; i < NBS; ++i) {
-            const int64_t n0 = (nb + i) * 16, rows = std::min<int64_t>(16, N - n0);
-            for (int j = 0; j < MBS; ++j) {
-              const float* cc = cbuf + (i * MBS + j) * 256;
-              for (int64_t t = 0; t < wdt; ++t) {
-                const int64_t row = (mb + j) * 16 + t;
-                float* yo = y + row * N + n0;
-                const float* ro = res != nullptr ? res + row * N + n0 : nullptr;
-                for (int64_t o = 0; o < rows; ++o) yo[o] = ro != nullptr ? ro[o] + cc[o * 16 + t] : cc[o * 16 + t];
+      if (slices > 1) sums.resize(((nb1 - nb0 + 1) / 2) * blocks * 1024);
+      for (int64_t ks = 0; ks < KT; ks += KS) {
+        const int64_t kt1 = std::min(KT, ks + KS);
+        const bool resume = ks > 0, last = kt1 == KT;
+        // every block of rows (two at a time) past the chunk's outputs (two blocks at a time), whose weights
+        // stay in cache from the first block of rows on
+        for (int64_t mb = 0; mb < blocks;) {
+          const int64_t wdt = mb < full ? 16 : tail;
+          const int MBS = mb + 1 < full ? 2 : 1;  // two full blocks at once; the tail alone
+          configure(wdt);
+          const uint16_t* b[2] = {packed + mb * KT * BF16_PARTS * 512, packed + (mb + 1) * KT * BF16_PARTS * 512};
+          for (int64_t nb = nb0; nb < nb1;) {
+            const int NBS = nb + 1 < nb1 ? 2 : 1;
+            const uint16_t* const* an = a.data() + (nb - nb0);
+            float* cs = slices > 1 ? sums.data() + (((nb - nb0) / 2) * blocks + mb) * 1024 : cbuf;
+            if (NBS == 2 && MBS == 2) amx_bf16_tiles<2, 2>(an, strides, b, wdt, ks, kt1, cs, resume);
+            else if (NBS == 2) amx_bf16_tiles<2, 1>(an, strides, b, wdt, ks, kt1, cs, resume);
+            else if (MBS == 2) amx_bf16_tiles<1, 2>(an, strides, b, wdt, ks, kt1, cs, resume);
+            else amx_bf16_tiles<1, 1>(an, strides, b, wdt, ks, kt1, cs, resume);
+            for (int i = 0; i < NBS && last; ++i) {
+              const int64_t n0 = (nb + i) * 16, rows = std::min<int64_t>(16, N - n0);
+              for (int j = 0; j < MBS; ++j) {
+                const float* cc = cs + (i * MBS + j) * 256;
+                for (int64_t t = 0; t < wdt; ++t) {
+                  const int64_t row = (mb + j) * 16 + t;
+                  float* yo = y + row * N + n0;
+                  const float* ro = res != nullptr ? res + row * N + n0 : nullptr;
+                  for (int64_t o = 0; o < rows; ++o) yo[o] = ro != nullptr ? ro[o] + cc[o * 16 + t] : cc[o * 16 + t];
+                }
               }
             }
+            nb += NBS;
           }
-          nb += NBS;
+          mb += MBS;
         }
-        mb += MBS;
       }
     }
     if (configured >= 0) amx_bf16_release();
     if (scratch.capacity() > (size_t{4} << 20)) std::vector<uint16_t>().swap(scratch);
+    if (sums.capacity() > (size_t{1} << 20)) std::vector<float>().swap(sums);
   });
   if (packed_buf.capacity() > (size_t{8} << 20)) std::vector<uint16_t>().swap(packed_buf);
 }
