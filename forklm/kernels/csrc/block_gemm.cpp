@@ -1948,14 +1948,21 @@ static_assert(AMX_MIN_ROWS >= 16, "the tiles hold 16 rows: a shorter product wou
 #if FORKLM_AMX
 #define FORKLM_AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
 
-// AMX-TILE and AMX-INT8 in cpuid, and Linux's leave for this process to use the tile data (once).
-bool amx_supported() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+// AMX-TILE and the feature bit `feature` (cpuid leaf 7, EDX) in cpuid, and Linux's leave for this process to
+// use the tile data (asked once).
+bool amx_feature_granted(unsigned feature) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> feature) & 1u)) return false;
+  static const bool granted = [] {
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
+  return granted;
+}
+
+// AMX-TILE and AMX-INT8, the tile data granted (once).
+bool amx_supported() {
+  static const bool ok = amx_feature_granted(25);
   return ok;
 }
 
@@ -3078,13 +3085,8 @@ inline void half_tile(const float* x, int64_t K, const HalfRows& w, int64_t n, f
 #if FORKLM_AMX
 #define FORKLM_AMX_BF16_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
-bool amx_bf16_supported() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
+bool amx_bf16_supported() {  // AMX-TILE and AMX-BF16, the tile data granted
+  static const bool ok = amx_feature_granted(22);
   return ok;
 }
 bool amx_bf16_on() { return amx_on() && amx_bf16_supported(); }
@@ -3133,17 +3135,11 @@ void amx_bf16_pack(const float* x, int64_t T, int64_t K, uint16_t* out) {
   });
 }
 
-struct alignas(64) AmxBf16Config {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0-3: C (outputs n-block x row block: 00, 01, 10, 11), 16 x w float32; tmm4 / tmm5: A, 16 weight rows
 // x 32 values; tmm6 / tmm7: B, 16 pair-rows x w rows.
 FORKLM_AMX_BF16_TARGET void amx_bf16_release() { _tile_release(); }
 FORKLM_AMX_BF16_TARGET void amx_bf16_configure(int64_t w) {
-  AmxBf16Config c;
+  TileConfig c;
   for (int i = 0; i < 4; ++i) c.rows[i] = 16, c.colsb[i] = static_cast<uint16_t>(4 * w);
   c.rows[4] = c.rows[5] = 16, c.colsb[4] = c.colsb[5] = 64;
   c.rows[6] = c.rows[7] = 16, c.colsb[6] = c.colsb[7] = static_cast<uint16_t>(4 * w);
@@ -3151,11 +3147,11 @@ FORKLM_AMX_BF16_TARGET void amx_bf16_configure(int64_t w) {
   _tile_loadconfig(&c);
 }
 
-// NB output blocks of 16 (A rows at a[i], stride a_stride bytes) times MB row blocks (b[i], w rows each):
+// NB output blocks of 16 (A rows at a[i], a_stride bytes apart) times MB row blocks (b[i], w rows each):
 // the sums over K into c[(i·MB + j)·256] (16 x 16 floats, w columns written).
 // Blocks of 32 values kt0..kt1 of K; resume: the sums so far from c (a slice of K after another), else zero.
 template <int NB, int MB>
-FORKLM_AMX_BF16_TARGET void amx_bf16_tiles(const uint16_t* const* a, const int64_t* a_stride, const uint16_t* const* b,
+FORKLM_AMX_BF16_TARGET void amx_bf16_tiles(const uint16_t* const* a, int64_t a_stride, const uint16_t* const* b,
                                            int64_t w, int64_t kt0, int64_t kt1, float* c, bool resume) {
   if (resume) {  // (float32 sums stored and loaded exactly: the same bits as one pass over K)
     _tile_loadd(0, c, 64);
@@ -3170,8 +3166,8 @@ FORKLM_AMX_BF16_TARGET void amx_bf16_tiles(const uint16_t* const* a, const int64
   }
   const int64_t bt = 16 * 2 * w, bstride = 4 * w;  // a B tile's values, its pair-rows' bytes
   for (int64_t kt = kt0; kt < kt1; ++kt) {
-    _tile_loadd(4, a[0] + kt * 32, a_stride[0]);
-    if constexpr (NB == 2) _tile_loadd(5, a[1] + kt * 32, a_stride[1]);
+    _tile_loadd(4, a[0] + kt * 32, a_stride);
+    if constexpr (NB == 2) _tile_loadd(5, a[1] + kt * 32, a_stride);
     for (int s = 0; s < BF16_PARTS; ++s) {
       const int64_t off = (kt * BF16_PARTS + s) * bt;
       _tile_loadd(6, b[0] + off, bstride);
@@ -3189,8 +3185,7 @@ FORKLM_AMX_BF16_TARGET void amx_bf16_tiles(const uint16_t* const* a, const int64
 }
 
 // y [T, N] (+ residual) = rows xp [T, K] (after the prologue) times the bfloat16 rows w [N, K] transposed.
-void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int64_t N,
-                                          float* y, const float* res) {
+void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int64_t N, float* y, const float* res) {
   const int64_t KT = K / 32, full = T / 16, tail = T % 16, blocks = full + (tail ? 1 : 0);
   thread_local std::vector<uint16_t> packed_buf;  // (the calling thread's; read by every worker)
   packed_buf.resize(blocks * KT * BF16_PARTS * 512);
@@ -3209,7 +3204,8 @@ void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int
   const int64_t row_bytes = K * 2;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     thread_local std::vector<uint16_t> scratch;  // a chunk's blocks whose 16 rows are not evenly spaced, copied
-    std::vector<const uint16_t*> a(chunk);
+    thread_local std::vector<const uint16_t*> a;  // the chunk's blocks' first rows
+    a.resize(chunk);
     thread_local std::vector<float> sums;  // a sliced K's float32 sums: per pair of output blocks and block of rows
     alignas(64) float cbuf[4 * 256];
     int64_t configured = -1;
@@ -3239,7 +3235,6 @@ void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int
       }
       for (int64_t nb = nb0, copy = 0; nb < nb1; ++nb)  // (scratch may have moved while it grew)
         if (a[nb - nb0] == nullptr) a[nb - nb0] = scratch.data() + (copy++) * 16 * K;
-      const int64_t strides[2] = {row_bytes, row_bytes};
       if (slices > 1) sums.resize(((nb1 - nb0 + 1) / 2) * blocks * 1024);
       for (int64_t ks = 0; ks < KT; ks += KS) {
         const int64_t kt1 = std::min(KT, ks + KS);
@@ -3255,10 +3250,10 @@ void amx_bf16_gemm(const float* xp, int64_t T, int64_t K, const HalfRows& w, int
             const int NBS = nb + 1 < nb1 ? 2 : 1;
             const uint16_t* const* an = a.data() + (nb - nb0);
             float* cs = slices > 1 ? sums.data() + (((nb - nb0) / 2) * blocks + mb) * 1024 : cbuf;
-            if (NBS == 2 && MBS == 2) amx_bf16_tiles<2, 2>(an, strides, b, wdt, ks, kt1, cs, resume);
-            else if (NBS == 2) amx_bf16_tiles<2, 1>(an, strides, b, wdt, ks, kt1, cs, resume);
-            else if (MBS == 2) amx_bf16_tiles<1, 2>(an, strides, b, wdt, ks, kt1, cs, resume);
-            else amx_bf16_tiles<1, 1>(an, strides, b, wdt, ks, kt1, cs, resume);
+            if (NBS == 2 && MBS == 2) amx_bf16_tiles<2, 2>(an, row_bytes, b, wdt, ks, kt1, cs, resume);
+            else if (NBS == 2) amx_bf16_tiles<2, 1>(an, row_bytes, b, wdt, ks, kt1, cs, resume);
+            else if (MBS == 2) amx_bf16_tiles<1, 2>(an, row_bytes, b, wdt, ks, kt1, cs, resume);
+            else amx_bf16_tiles<1, 1>(an, row_bytes, b, wdt, ks, kt1, cs, resume);
             for (int i = 0; i < NBS && last; ++i) {
               const int64_t n0 = (nb + i) * 16, rows = std::min<int64_t>(16, N - n0);
               for (int j = 0; j < MBS; ++j) {
