@@ -24,7 +24,7 @@ No hub access is needed (and no real weights are used):
 2. llama.cpp's convert_hf_to_gguf.py (vendored in the llama-cpp-python sdist built by
    scripts/build_llama_cpp.sh; run with its own gguf-py on PYTHONPATH) -> <shape>-BF16.gguf
    (or F16 with --outtype f16). It imports sentencepiece for llama/qwen2 folders before it falls
-   back to the byte-level BPE path (`pip install 'sentencepiece>=0.1.98,<0.3.0'`). Under
+   back to the byte-level BPE path (`sentencepiece`, in forklm's `bench` extra). Under
    transformers >= 5 one setting is changed in the converter's process (see CONVERT below) so
    that a qwen2 folder's tokenizer.json is read as written.
 3. llama.cpp's llama-quantize -> <shape>-<PRESET>.gguf per preset (Q4_K_M, Q8_0 by default; any
