@@ -390,6 +390,15 @@ inline __m256i load_weights(const Weights& w, int64_t o, int64_t b) {
 #define FORKLM_VNNI 0
 #endif
 
+// The cache level a weight prefetch asks for. The quantized tiles ask for L1 (into L2 measured level
+// on the Q4_1 / Q3_K steps of a Zen 4 EPYC, the 1B Q4_K one 2% slower). The bfloat16 / float16 tiles
+// (`half_tile`: up to eight rows read side by side, the next tile's prefetched) ask for L2 where that
+// measured faster on the same CPU, a step's products: the VNNI build at 1 / 8 / 32 rows 1.61x / 1.32x
+// / 1.09x, the AVX2 build at one row 1.72x (at 8 / 32 rows it was 5-7% slower so: L1 there). The
+// prefetches then leave the L1 miss buffers to the loads. (bench/results/block_kernel_ab_bf16_*.)
+constexpr _mm_hint WEIGHT_PREFETCH = _MM_HINT_T0;
+constexpr _mm_hint half_weight_prefetch(int rows) { return FORKLM_VNNI || rows == 1 ? _MM_HINT_T1 : _MM_HINT_T0; }
+
 // Σ over each 4 consecutive bytes of u·s (u unsigned, s signed) added to the int32 lanes of acc.
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if FORKLM_VNNI
@@ -436,26 +445,26 @@ inline __m256i block_dot(__m256i wv, __m256i xv) {
 inline void prefetch_outputs(const Weights& w, int64_t first, int64_t count, int64_t N) {
   if (first + count > N) return;
   const char* values = reinterpret_cast<const char*>(w.qs + first * w.row_bytes);
-  for (int64_t off = 0; off < count * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < count * w.row_bytes; off += 64) _mm_prefetch(values + off, WEIGHT_PREFETCH);
   if (w.sc == nullptr) {
     const char* scales = reinterpret_cast<const char*>(w.d + first * w.nb);
-    for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < count * w.nb * 2; off += 64) _mm_prefetch(scales + off, WEIGHT_PREFETCH);
   } else {  // K-quants: a 6-bit scale per block of 32 (Q6_K / Q3_K / Q2_K: a byte per 16 values)
     const int64_t per_row = w.scales_per_16 ? 2 * w.nb : w.nb;
     const char* scales = reinterpret_cast<const char*>(w.sc + first * per_row);
-    for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(scales + off, WEIGHT_PREFETCH);
     // ds per super-block (Q2_K: ds and dmin side by side, the layout without q2 among those per 16)
     const int64_t d_per_row = w.scales_per_16 && w.q2 == nullptr ? w.nb / 4 : w.nb / 8;
-    _mm_prefetch(reinterpret_cast<const char*>(w.d + first * d_per_row), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w.d + first * d_per_row), WEIGHT_PREFETCH);
   }
   if (w.qh != nullptr) {
     const char* bits = reinterpret_cast<const char*>(w.qh + first * w.nb);
-    for (int64_t off = 0; off < count * w.nb * 4; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < count * w.nb * 4; off += 64) _mm_prefetch(bits + off, WEIGHT_PREFETCH);
   }
   if (w.q2 != nullptr) {  // Q6_K: 8 bytes per block of 32, Q3_K: 4 (row_bytes: nb·16 and nb·8)
     const int64_t per_row = w.row_bytes / 2;
     const char* bits = reinterpret_cast<const char*>(w.q2 + first * per_row);
-    for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(bits + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < count * per_row; off += 64) _mm_prefetch(bits + off, WEIGHT_PREFETCH);
   }
 }
 
@@ -524,7 +533,7 @@ inline void prefetch_minima(const Weights& w, int64_t nb, int64_t o0, int64_t o1
   const int64_t bytes = w.dm == nullptr ? 2 : 1;  // per minimum (K-quants: mq; their dm is 8x smaller)
   const char* base = reinterpret_cast<const char*>(w.m);
   const char* end = base + ((o1 + 7) >> 3) * nb * 8 * bytes;
-  for (const char* p = base + (o0 >> 3) * nb * 8 * bytes; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  for (const char* p = base + (o0 >> 3) * nb * 8 * bytes; p < end; p += 64) _mm_prefetch(p, WEIGHT_PREFETCH);
 }
 
 // Q8_0 (NL: IQ4_NL, its levels looked up as int8): y[j·N + o + i] for i < TO outputs, j < TN activation
@@ -1102,12 +1111,12 @@ void one_row_q4_1(const Weights& w, int64_t o0, int64_t o1, const Acts& x, const
     }
     if (o + 3 * R <= N) {  // the weights two tiles ahead into cache, as `tile`
       const char* values = reinterpret_cast<const char*>(w.qs + (o + 2 * R) * w.row_bytes);
-      for (int64_t off = 0; off < R * w.row_bytes; off += 64) _mm_prefetch(values + off, _MM_HINT_T0);
+      for (int64_t off = 0; off < R * w.row_bytes; off += 64) _mm_prefetch(values + off, WEIGHT_PREFETCH);
       const char* scales = reinterpret_cast<const char*>(w.d + (o + 2 * R) * nb);
-      for (int64_t off = 0; off < R * nb * 2; off += 64) _mm_prefetch(scales + off, _MM_HINT_T0);
+      for (int64_t off = 0; off < R * nb * 2; off += 64) _mm_prefetch(scales + off, WEIGHT_PREFETCH);
       if constexpr (H5)
         for (int64_t off = 0; off < R * nb * 4; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w.qh + (o + 2 * R) * nb) + off, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w.qh + (o + 2 * R) * nb) + off, WEIGHT_PREFETCH);
     }
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
@@ -1438,7 +1447,7 @@ constexpr int64_t R8_PREFETCH_BYTES = 2048;
 // Asks for the cache line `bytes` past p (the address formed as an integer: near the end of the
 // weights it lies past them, where a prefetch is harmless but a pointer would not be valid C++).
 inline void prefetch_ahead(const void* p, int64_t bytes) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)), WEIGHT_PREFETCH);
 }
 
 // Σ q of each block of 32 activations (Q4_0's −8·Σ q_x, in integers).
@@ -3051,7 +3060,7 @@ inline void half_tile(const float* x, int64_t K, const HalfRows& w, int64_t n, f
   for (int o = 0; o < pfs; ++o) pf[o] = reinterpret_cast<const char*>(w(ahead + o));
   for (int64_t k = 0; k < K16; k += 16) {
     if ((k & 31) == 0)  // a line (32 values) of each next row per 32 values of this tile's
-      for (int o = 0; o < pfs; ++o) _mm_prefetch(pf[o] + k * 2, _MM_HINT_T0);
+      for (int o = 0; o < pfs; ++o) _mm_prefetch(pf[o] + k * 2, half_weight_prefetch(R));
     for (int h = 0; h < P; ++h) {
       Chain xv[R];
       for (int r = 0; r < R; ++r) xv[r] = chain_load(x + r * K + k + h * CHAIN_STEP);
