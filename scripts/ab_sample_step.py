@@ -1,7 +1,7 @@
 """A decode step of `LLM.sample` in this tree against another commit's, in alternating processes.
 
     python scripts/ab_sample_step.py --against <commit> [--points 256x1,256x32,2048x32] [--rounds 2]
-        [--out bench/results/sample_step_ab.json]
+        [--model FILE.gguf] [--out bench/results/sample_step_ab.json]
 
 Checks `--against` out into a temporary git worktree (its C++ extensions built into their own
 FORKLM_CACHE_DIR / TORCH_EXTENSIONS_DIR), then per round and point (m_c x n: a random-token prompt of m_c tokens, n
@@ -26,7 +26,7 @@ import json, statistics, sys, time
 import torch
 from forklm import LLM
 mc, n = (int(v) for v in sys.argv[1].split("x"))
-llm = LLM()
+llm = LLM(sys.argv[2]) if len(sys.argv) > 2 else LLM()
 prompt = torch.randint(100, 40000, (mc,), generator=torch.Generator().manual_seed(0)).tolist()
 kw = dict(temperature=0.8, top_p=0.95, seed=1, ignore_eos=True)
 llm.sample(prompt, n=n, max_tokens=4, **kw)
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", required=True)
     ap.add_argument("--points", default="256x1,256x32,2048x32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the packaged SmolLM2 Q4_1)")
     ap.add_argument("--out", default="bench/results/sample_step_ab.json")
     ap.add_argument("--this-first", action="store_true", help="run this tree's child before the other's each round")
     args = ap.parse_args(argv)
@@ -61,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     trees = {sha: (tree, {"TORCH_EXTENSIONS_DIR": str(tmp / "extensions"), "FORKLM_CACHE_DIR": str(tmp / "forklm-cache")}), f"this tree ({head})": (root, {})}
     if args.this_first:
         trees = dict(reversed(trees.items()))
+    model = [str(Path(args.model).resolve())] if args.model else []
     res: dict[str, dict[str, list[dict]]] = {p: {name: [] for name in trees} for p in args.points.split(",")}
     try:
         for _ in range(args.rounds):
             for point in res:
                 for name, (path, extra) in trees.items():
                     env = {**os.environ, **extra, "PYTHONPATH": str(path)}
-                    out = subprocess.run([sys.executable, "-c", CHILD, point], cwd=path, env=env, check=True,
+                    out = subprocess.run([sys.executable, "-c", CHILD, point, *model], cwd=path, env=env, check=True,
                                          capture_output=True, text=True).stdout
                     r = json.loads(out.strip().splitlines()[-1])
                     res[point][name].append(r)
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_info(), "against": sha, "this_tree": head,
-                               "order": list(trees), "points": res}, indent=1))
+                               "model": args.model, "order": list(trees), "points": res}, indent=1))
     print(f"wrote {out}")
     return 0
 
