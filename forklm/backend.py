@@ -87,15 +87,14 @@ def block_kernel_available() -> bool:
 
 
 def k_quants_interleaved() -> bool:
-    """Whether GGUF Q4_K / Q5_K tensors take the block kernel's interleaved layouts (q4_k_r8 / q5_k_r8): on
-    its AVX512-VNNI build, whose two-group 512-bit tiles ran a 1B Q4_K_M file's Q4_K products 1.5x the plain
-    layout's at 8-32 rows (2026-11-28, Cascade Lake Xeon, by hand); the AVX2 build keeps the plain layout
-    (`tile_k`), 1.14x faster there at 32 rows and level at 8 (the same Xeon, the AVX2 build, by hand; the
-    interleaved Q4_K was slower at 4-32 rows on an AVX2 EPYC too, 2026-11-27). Q6_K is interleaved on both.
-    The build that loaded decides (a VNNI build that failed to compile leaves the AVX2 one)."""
-    from forklm.kernels import block_gemm
-
-    return block_kernel_available() and block_gemm.LOADED_BUILDS.get("forklm_block_gemm") == "AVX512-VNNI"
+    """Whether GGUF Q4_K / Q5_K tensors take the block kernel's interleaved layouts (q4_k_r8 / q5_k_r8), else
+    the plain ones (`tile_k`): wherever the block kernel runs. On its AVX512-VNNI build the two-group 512-bit
+    tiles ran a 1B Q4_K_M file's Q4_K products 1.5x the plain layout's at 8-32 rows (2026-11-28, Cascade Lake
+    Xeon); on the AVX2 build, since its 4-bit tile keeps its adds in order (`keep_order`), the same file's
+    Q4_K products at 1 / 8 / 32 rows 1.12x / 1.10x / 1.08x the plain layout's and a Q5_K_M preset's Q5_K ones
+    1.17x at 32 rows (2026-12-04, AVX2 EPYC, by hand; before that the plain layout was faster there).
+    Q6_K is interleaved on both builds."""
+    return block_kernel_available()
 
 
 def quantized_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
