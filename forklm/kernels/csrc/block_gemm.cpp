@@ -1464,16 +1464,16 @@ inline void block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
   }
 }
 
-// Σ q of each 16 activations (interleaved Q6_K's −32·Σ q_x per sub-block, in integers): block b's halves at
-// out[2b], out[2b + 1].
+// −32·Σ q of each 16 activations (interleaved Q6_K's −32·Σ q_x per sub-block, in integers; a tile's sums start
+// from it): block b's halves at out[2b], out[2b + 1].
 inline void half_block_sums(const int8_t* q, int64_t blocks, int32_t* out) {
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK));
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
-    out[2 * b] = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-    out[2 * b + 1] = lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    out[2 * b] = -32 * (lanes[0] + lanes[1] + lanes[2] + lanes[3]);
+    out[2 * b + 1] = -32 * (lanes[4] + lanes[5] + lanes[6] + lanes[7]);
   }
 }
 
@@ -1642,7 +1642,7 @@ inline void tile_r8_signed(const uint8_t* wq, const uint16_t* wd, int64_t nb, co
 // (sub-block 2b + 1) its high nibbles; their bits 4-5 in 64 bytes a block (wh): byte 4r + k of the first 32 holds
 // at bits 2j..2j+1 those of value 4j + k of output r, of the next 32 those of value 16 + 4j + k. The unsigned
 // values u = q + 32 (0..63) meet the row's bytes (|Σ| of a sub-block <= 16·63·127 in int32; AVX2: int16 pairs
-// <= 2·63·127 twice, widened every two runs), then Σ u·x − 32·Σ x per sub-block (xs16: the row's Σ q per 16),
+// <= 2·63·127 twice, widened every two runs), then Σ u·x − 32·Σ x per sub-block (xs16: the row's −32·Σ q per 16),
 // and one float chain per (output, row): acc = fma(ds·sc_lo·dx, lo, acc), then the same for hi. wsc: int8
 // [nb, 16] (a block's sub-block 2b scales for the 8 outputs, then 2b + 1's); wd: ds [nb / 8, 8].
 inline __m256i q6_run_bits(__m256i planes, int j) {  // bits 2j..2j+1 of each byte at bits 4-5
@@ -1676,7 +1676,10 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
     const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
     __m256i lo_sum[TN], hi_sum[TN];
     [[maybe_unused]] __m256i lo16[TN], hi16[TN];
-    for (int t = 0; t < TN; ++t) lo_sum[t] = hi_sum[t] = lo16[t] = hi16[t] = _mm256_setzero_si256();
+    for (int t = 0; t < TN; ++t) {  // the sums start from −32·Σ q_x of their sub-block
+      lo_sum[t] = _mm256_set1_epi32(xs16[t * 2 * nb + 2 * b]), hi_sum[t] = _mm256_set1_epi32(xs16[t * 2 * nb + 2 * b + 1]);
+      lo16[t] = hi16[t] = _mm256_setzero_si256();
+    }
     for (int j = 0; j < 4; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
       const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), q6_run_bits(pl, j));
@@ -1706,10 +1709,8 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
     const __m256 dl = q6_r8_scales(wd, wsc, b, 0), dh = q6_r8_scales(wd, wsc, b, 1);
     for (int t = 0; t < TN; ++t) {
       const __m256 dxb = _mm256_set1_ps(dx[t * nb + b]);
-      const __m256i sl = _mm256_sub_epi32(lo_sum[t], _mm256_set1_epi32(32 * xs16[t * 2 * nb + 2 * b]));
-      const __m256i sh = _mm256_sub_epi32(hi_sum[t], _mm256_set1_epi32(32 * xs16[t * 2 * nb + 2 * b + 1]));
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dl, dxb), _mm256_cvtepi32_ps(sl), acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dh, dxb), _mm256_cvtepi32_ps(sh), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dl, dxb), _mm256_cvtepi32_ps(lo_sum[t]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dh, dxb), _mm256_cvtepi32_ps(hi_sum[t]), acc[t]);
     }
   }
 }
@@ -1886,8 +1887,8 @@ inline void tile_q6_r8_x2(const uint8_t* wq, const uint8_t* wh, const uint16_t* 
     const __m512 dl = scales(0), dh = scales(1);
     for (int t = 0; t < TN; ++t) {
       const __m512 dxb = _mm512_set1_ps(dx[t * nb + b]);
-      const __m512i sl = _mm512_sub_epi32(lo_sum[t], _mm512_set1_epi32(32 * xs16[t * 2 * nb + 2 * b]));
-      const __m512i sh = _mm512_sub_epi32(hi_sum[t], _mm512_set1_epi32(32 * xs16[t * 2 * nb + 2 * b + 1]));
+      const __m512i sl = _mm512_add_epi32(lo_sum[t], _mm512_set1_epi32(xs16[t * 2 * nb + 2 * b]));
+      const __m512i sh = _mm512_add_epi32(hi_sum[t], _mm512_set1_epi32(xs16[t * 2 * nb + 2 * b + 1]));
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dl, dxb), _mm512_cvtepi32_ps(sl), acc[t]);
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dh, dxb), _mm512_cvtepi32_ps(sh), acc[t]);
     }
