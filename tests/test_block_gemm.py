@@ -836,10 +836,10 @@ def test_cpu_isa_avx2_takes_every_choice_an_avx2_cpu_would(monkeypatch):
     env = {k: v for k, v in __import__("os").environ.items() if k != "FORKLM_CPU_ISA"}
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "FORKLM_CPU_ISA": "avx2"},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "True", "False", "False", "torch.float32", "False"]  # Q4_K / Q5_K: the plain layout
+    assert out == ["False", "True", "False", "False", "torch.float32", "True"]  # Q4_K / Q5_K interleaved on AVX2 too
     native = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert native[1] == "True" and native[0] == str(any(x.startswith(("avx512", "amx")) for x in cpu_flags()))
-    assert native[5] == native[3]  # Q4_K / Q5_K interleaved where the VNNI build runs
+    assert native[5] == "True"  # Q4_K / Q5_K interleaved wherever the block kernel runs
     monkeypatch.setenv("FORKLM_CPU_ISA", "avx512")
     cpu_flags.cache_clear()
     try:

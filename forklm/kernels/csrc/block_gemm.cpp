@@ -1658,11 +1658,11 @@ inline __m256 q6_r8_scales(const uint16_t* wd, const int8_t* wsc, int64_t b, int
   return _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
 }
 
+#if FORKLM_VNNI
 template <int TN>
 inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const int8_t* wsc, int64_t nb,
                        const int8_t* xq, const float* dx, const int32_t* xs16, int64_t K, __m256* acc, bool prefetch) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
@@ -1675,11 +1675,8 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
     const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
     const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
     __m256i lo_sum[TN], hi_sum[TN];
-    [[maybe_unused]] __m256i lo16[TN], hi16[TN];
-    for (int t = 0; t < TN; ++t) {  // the sums start from −32·Σ q_x of their sub-block
+    for (int t = 0; t < TN; ++t)  // the sums start from −32·Σ q_x of their sub-block
       lo_sum[t] = _mm256_set1_epi32(xs16[t * 2 * nb + 2 * b]), hi_sum[t] = _mm256_set1_epi32(xs16[t * 2 * nb + 2 * b + 1]);
-      lo16[t] = hi16[t] = _mm256_setzero_si256();
-    }
     for (int j = 0; j < 4; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
       const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), q6_run_bits(pl, j));
@@ -1689,22 +1686,9 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
         int32_t a, c;
         std::memcpy(&a, xb + 4 * j, 4);
         std::memcpy(&c, xb + 16 + 4 * j, 4);
-#if FORKLM_VNNI
         lo_sum[t] = _mm256_dpbusd_epi32(lo_sum[t], lo, _mm256_set1_epi32(a));
         hi_sum[t] = _mm256_dpbusd_epi32(hi_sum[t], hi, _mm256_set1_epi32(c));
-#else
-        lo16[t] = _mm256_add_epi16(lo16[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
-        hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(c)));
-#endif
       }
-#if !FORKLM_VNNI
-      if (j % 2 == 1)  // two runs' int16 pairs (<= 2·2·63·127 < 2^15) into int32
-        for (int t = 0; t < TN; ++t) {
-          lo_sum[t] = _mm256_add_epi32(lo_sum[t], _mm256_madd_epi16(lo16[t], ones));
-          hi_sum[t] = _mm256_add_epi32(hi_sum[t], _mm256_madd_epi16(hi16[t], ones));
-          lo16[t] = hi16[t] = _mm256_setzero_si256();
-        }
-#endif
     }
     const __m256 dl = q6_r8_scales(wd, wsc, b, 0), dh = q6_r8_scales(wd, wsc, b, 1);
     for (int t = 0; t < TN; ++t) {
@@ -1714,6 +1698,51 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
     }
   }
 }
+#else
+template <int TN>
+inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const int8_t* wsc, int64_t nb,
+                       const int8_t* xq, const float* dx, const int32_t* xs16, int64_t K, __m256* acc, bool prefetch) {
+  // The AVX2 build: a block's 8 runs unpacked into registers once, then each row in turn (the VNNI build's
+  // order by run left GCC to spill the int16 and int32 sums of every row); the same integers and the same
+  // float steps per row, so the same bits.
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wq + b * R8_BLOCK_BYTES;
+    const uint8_t* h = wh + b * 64;
+    if (prefetch) {
+      prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
+      prefetch_ahead(h, R8_PREFETCH_BYTES / 2);
+      if (b % 4 == 0) prefetch_ahead(wsc + b * 16, R8_PREFETCH_BYTES / 8);
+    }
+    const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+    const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
+    __m256i lo[4], hi[4];  // run j: values 4j..4j+3 (lo) and 16 + 4j.. (hi) of the 8 outputs, 0..63
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+      lo[j] = _mm256_or_si256(_mm256_and_si256(v, low4), q6_run_bits(pl, j));
+      hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), q6_run_bits(ph, j));
+    }
+    const __m256 dl = q6_r8_scales(wd, wsc, b, 0), dh = q6_r8_scales(wd, wsc, b, 1);
+    for (int t = 0; t < TN; ++t) {
+      const int8_t* xb = xq + t * K + b * QK;
+      const auto at = [xb](int i) { int32_t a; std::memcpy(&a, xb + i, 4); return _mm256_set1_epi32(a); };
+      // two runs' int16 pairs (<= 2·2·63·127 < 2^15) into int32 at a time, from −32·Σ q_x of the sub-block
+      const auto pairs = [&](const __m256i* u, int i) {
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u[0], at(i)), _mm256_maddubs_epi16(u[1], at(i + 4))),
+                                 ones);
+      };
+      const __m256i sl = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(xs16[t * 2 * nb + 2 * b]), pairs(lo, 0)),
+                                          pairs(lo + 2, 8));
+      const __m256i sh = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(xs16[t * 2 * nb + 2 * b + 1]), pairs(hi, 16)),
+                                          pairs(hi + 2, 24));
+      const __m256 dxb = _mm256_set1_ps(dx[t * nb + b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dl, dxb), _mm256_cvtepi32_ps(sl), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dh, dxb), _mm256_cvtepi32_ps(sh), acc[t]);
+    }
+  }
+}
+#endif
 
 #if FORKLM_VNNI
 // Two 256-bit loads as the low and high halves of one vector.
@@ -2282,6 +2311,9 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
 #if FORKLM_VNNI  // 8 rows a tile: each weight vector unpacked once for 8 rows (measured faster on the 4- to 6-bit
                  // layouts at 8-32 rows; Q8_0 / IQ4_NL's signed tiles spill there and keep 4)
       if constexpr (!SIGNED)
+        for (; t + 8 <= T; t += 8) rows(std::integral_constant<int, 8>{}, t);
+#else  // Q6_K's tile unpacks a block once for all its rows (`tile_q6_r8`): 8 of them
+      if constexpr (Q6)
         for (; t + 8 <= T; t += 8) rows(std::integral_constant<int, 8>{}, t);
 #endif
       for (; t + 4 <= T; t += 4) rows(std::integral_constant<int, 4>{}, t);
