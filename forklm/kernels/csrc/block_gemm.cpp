@@ -1658,20 +1658,31 @@ inline __m256 q6_r8_scales(const uint16_t* wd, const int8_t* wsc, int64_t b, int
   return _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
 }
 
+// Run j of a q6_k_r8 block: the low nibbles of its 32 bytes v with their bits 4-5 from the first 32 bytes of
+// the planes (values 4j..4j+3 of the 8 outputs), or the high nibbles with the next 32 (16 + 4j..): 0..63.
+inline __m256i q6_low_run(__m256i v, __m256i planes, int j) {
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), q6_run_bits(planes, j));
+}
+inline __m256i q6_high_run(__m256i v, __m256i planes, int j) {
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)), q6_run_bits(planes, j));
+}
+
+// Block b of one group into cache ahead of `tile_q6_r8` (w: its values, h: its bits 4-5).
+inline void prefetch_q6_r8_block(const uint8_t* w, const uint8_t* h, const int8_t* wsc, int64_t b) {
+  prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
+  prefetch_ahead(h, R8_PREFETCH_BYTES / 2);
+  if (b % 4 == 0) prefetch_ahead(wsc + b * 16, R8_PREFETCH_BYTES / 8);
+}
+
 #if FORKLM_VNNI
 template <int TN>
 inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const int8_t* wsc, int64_t nb,
                        const int8_t* xq, const float* dx, const int32_t* xs16, int64_t K, __m256* acc, bool prefetch) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
     const uint8_t* h = wh + b * 64;
-    if (prefetch) {
-      prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
-      prefetch_ahead(h, R8_PREFETCH_BYTES / 2);
-      if (b % 4 == 0) prefetch_ahead(wsc + b * 16, R8_PREFETCH_BYTES / 8);
-    }
+    if (prefetch) prefetch_q6_r8_block(w, h, wsc, b);
     const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
     const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
     __m256i lo_sum[TN], hi_sum[TN];
@@ -1679,8 +1690,7 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
       lo_sum[t] = _mm256_set1_epi32(xs16[t * 2 * nb + 2 * b]), hi_sum[t] = _mm256_set1_epi32(xs16[t * 2 * nb + 2 * b + 1]);
     for (int j = 0; j < 4; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), q6_run_bits(pl, j));
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), q6_run_bits(ph, j));
+      const __m256i lo = q6_low_run(v, pl, j), hi = q6_high_run(v, ph, j);
       for (int t = 0; t < TN; ++t) {
         const int8_t* xb = xq + t * K + b * QK;
         int32_t a, c;
@@ -1705,23 +1715,18 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
   // The AVX2 build: a block's 8 runs unpacked into registers once, then each row in turn (the VNNI build's
   // order by run left GCC to spill the int16 and int32 sums of every row); the same integers and the same
   // float steps per row, so the same bits.
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
     const uint8_t* h = wh + b * 64;
-    if (prefetch) {
-      prefetch_ahead(w, R8_PREFETCH_BYTES), prefetch_ahead(w, R8_PREFETCH_BYTES + 64);
-      prefetch_ahead(h, R8_PREFETCH_BYTES / 2);
-      if (b % 4 == 0) prefetch_ahead(wsc + b * 16, R8_PREFETCH_BYTES / 8);
-    }
+    if (prefetch) prefetch_q6_r8_block(w, h, wsc, b);
     const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
     const __m256i ph = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32));
     __m256i lo[4], hi[4];  // run j: values 4j..4j+3 (lo) and 16 + 4j.. (hi) of the 8 outputs, 0..63
     for (int j = 0; j < 4; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
-      lo[j] = _mm256_or_si256(_mm256_and_si256(v, low4), q6_run_bits(pl, j));
-      hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), q6_run_bits(ph, j));
+      lo[j] = q6_low_run(v, pl, j), hi[j] = q6_high_run(v, ph, j);
     }
     const __m256 dl = q6_r8_scales(wd, wsc, b, 0), dh = q6_r8_scales(wd, wsc, b, 1);
     for (int t = 0; t < TN; ++t) {
