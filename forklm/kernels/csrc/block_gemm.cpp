@@ -1170,6 +1170,22 @@ void pair_activations(const int8_t* q, int64_t nb, int8_t* xp) {
 
 constexpr int64_t ROWS_PER_CHUNK = 64;  // weight rows kept hot in cache while tiles of T pass over them
 
+// f(c0, c1) over [begin, end) in chunks of `chunk`, the chunks handed to the threads as each frees up
+// (OpenMP's dynamic schedule): a thread the machine runs slower takes fewer chunks instead of holding the
+// others at the end (at::parallel_for splits the range in equal parts up front). Which thread runs a chunk
+// changes no result: every output is computed by one thread, the same way.
+template <typename F>
+inline void parallel_chunks(int64_t begin, int64_t end, int64_t chunk, const F& f) {
+  const int64_t chunks = (end - begin + chunk - 1) / chunk;
+  const int threads = at::get_num_threads();
+  if (chunks <= 1 || threads == 1 || at::in_parallel_region()) {
+    if (end > begin) f(begin, end);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < chunks; ++i) f(begin + i * chunk, std::min(end, begin + (i + 1) * chunk));
+}
+
 // Tile shapes (a row's operations are the same in any tile, so none changes a result): outputs per
 // tile of 4 activation rows for Q4_1-type and Q8_0 blocks: AVX2 has 16 vector registers (2 x 4
 // accumulators and the unpacked weights fill them); with AVX-512's 32 (the VNNI build) 4 x 4 tiles
@@ -1343,8 +1359,8 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   // terms are formed by one_row_q4_1 group by group as it goes (a chunk pass ahead of a lone row's
   // products slowed them; K-quants take the chunk pass at every row count)
   const bool chunk_minima = Q41 && (KS || T != 1);
-  // threads split the outputs at multiples of 8 (the minima's groups; any split gives the same bits)
-  at::parallel_for(0, (n + 7) / 8, 2, [&](int64_t g0, int64_t g1) {
+  // threads take the outputs in chunks at multiples of 8 (the minima's groups; any split gives the same bits)
+  parallel_chunks(0, (n + 7) / 8, ROWS_PER_CHUNK / 8, [&](int64_t g0, int64_t g1) {
     const int64_t a = g0 * 8, z = std::min(n, g1 * 8);
     thread_local std::vector<float> scratch, minima, k_minima;  // this thread's, reused
     scratch.resize(SCRATCH_PER_BLOCK * nb);  // tile's scratch: TO·(TN + 1)·nb floats at most
@@ -2269,7 +2285,7 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
     for (int64_t i = 0; i < T * K; ++i) buf.q[i] = static_cast<int8_t>(static_cast<uint8_t>(buf.q[i]) ^ 0x80u);
   // threads split the groups; a chunk of groups stays in cache while every tile of rows passes it
   constexpr int64_t GROUPS_PER_CHUNK = ROWS_PER_CHUNK / 8;
-  at::parallel_for(amx_groups, G, 2, [&](int64_t g0, int64_t g1) {
+  parallel_chunks(amx_groups, G, GROUPS_PER_CHUNK, [&](int64_t g0, int64_t g1) {
     for (int64_t c0 = g0; c0 < g1; c0 += GROUPS_PER_CHUNK) {
       const int64_t c1 = std::min(g1, c0 + GROUPS_PER_CHUNK);
       const auto rows = [&](auto tile_rows, int64_t t) {
