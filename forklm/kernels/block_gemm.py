@@ -44,11 +44,13 @@ def cpu_supports() -> bool:
 OPENMP_PREFIXES = ("libgomp", "libiomp", "libomp")
 
 
+@lru_cache(maxsize=1)
 def openmp_runtime() -> str | None:
     """The file name of the OpenMP runtime torch runs on, read from the libraries this process has
     loaded: the one in torch's own lib folder (libgomp.so.1 in today's x86 wheels, a renamed copy
     such as libgomp-<hash>.so.1 in older ones), else a system runtime torch links; None if none.
-    (Other wheels load their own renamed copies, e.g. sentencepiece's: not torch's, not counted.)"""
+    (Other wheels load their own renamed copies, e.g. sentencepiece's: not torch's, not counted.)
+    Read once per process: torch's runtime is loaded with torch."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/" in line}
