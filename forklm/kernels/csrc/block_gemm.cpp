@@ -1524,6 +1524,15 @@ inline __m256 r8_block_scales(const uint16_t* wd, const uint8_t* wsc, int64_t b)
   }
 }
 
+// 8 integer scales (one per output, as loaded into int32 lanes) as int16 pairs (s, s) per lane, for `vpmaddwd`.
+inline __m256i scale_pairs(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)); }
+
+// The AVX2 build's K-quant interleaved tiles (Q4_K / Q5_K / Q6_K) take the rows' activations per super-block
+// of 256 (one dx per 256, sums of q per 16: `quantize_super_block`, as the plain K layouts): each block's
+// int16 sums meet its integer scales in `vpmaddwd`, the super-block's 8 blocks summed exactly in int32, then one
+// float step a super-block. The VNNI build keeps dx per 32 (its `vpdpbusd` sums need no widening).
+constexpr bool K_R8_SUPER_ACTIVATIONS = !FORKLM_VNNI;
+
 // The same for `tile_r8_signed`'s layouts (BYTES a block).
 template <int64_t BYTES>
 inline void prefetch_r8_signed_block(const uint8_t* w, const uint16_t* wd, int64_t b) {
@@ -1536,16 +1545,25 @@ inline void prefetch_r8_signed_block(const uint8_t* w, const uint16_t* wd, int64
 // 4j + k of output r, at bit 4 + j that of value 16 + 4j + k), ORed into run j's nibbles as bit 4.
 //   KS (Q4_K / Q5_K, with MIN): block b's scales ds·sc and minima dm·mq (`r8_block_scales`): wd / wm the
 //   super-blocks' ds / dm, wsc / wmq the blocks' 6-bit sc / mq; the arithmetic of Q4_1 / Q5_1 from there.
+//   K_R8_SUPER_ACTIVATIONS (the AVX2 build, KS): dx per super-block (row stride nb / 8), sx per block; the block's
+//   int16 sums times its 6-bit scales summed in int32 over the super-block (<= 8·63·32·31·127 < 2^31), then
+//   acc = fma(ds·dx, float(Σ), acc) once a super-block; the minima as above, a step per block.
 template <bool MIN, bool H5, int TN, bool KS = false>
 inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const uint16_t* wm, int64_t nb,
                     const int8_t* xq, const float* dx, const float* sx, const int32_t* xs, int64_t K, __m256* acc,
                     bool prefetch, const uint8_t* wsc = nullptr, const uint8_t* wmq = nullptr) {
+  constexpr bool SUPER = KS && K_R8_SUPER_ACTIVATIONS;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
   constexpr int32_t OFFSET = H5 ? 16 : 8;  // Q4_0: w = d·(q − 8); Q5_0: d·(q − 16)
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  __m256i ksum[SUPER ? TN : 1];  // SUPER: the super-block's Σ sc·Σ q·x per (output, row)
+  for (int t = 0; t < (SUPER ? TN : 1); ++t) ksum[t] = _mm256_setzero_si256();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
     if (prefetch) prefetch_r8_block<MIN, H5, KS>(w, wh, wd, wm, b, wsc, wmq);
+    // the int16 sums' multipliers: ones, or (SUPER) the block's 6-bit scales
+    const __m256i widen = SUPER ? scale_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + b * 8))))
+                                : ones;
     __m256i fifth = _mm256_setzero_si256();
     if constexpr (H5) fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wh + b * 32));
     __m256i s[TN], isum[TN];
@@ -1577,7 +1595,24 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
 #endif
       }
       if (!FORKLM_VNNI && H5 && j == 1)  // |Σ| <= 4·2·31·127 < 2^15: into int32 before the next two runs
-        for (int t = 0; t < TN; ++t) isum[t] = _mm256_madd_epi16(s[t], ones), s[t] = _mm256_setzero_si256();
+        for (int t = 0; t < TN; ++t) isum[t] = _mm256_madd_epi16(s[t], widen), s[t] = _mm256_setzero_si256();
+    }
+    if constexpr (SUPER) {
+      const __m256 m8 = r8_block_scales<KS>(wm, wmq, b);
+      for (int t = 0; t < TN; ++t) {
+        const __m256i sum = _mm256_madd_epi16(s[t], widen);
+        ksum[t] = _mm256_add_epi32(ksum[t], H5 ? _mm256_add_epi32(isum[t], sum) : sum);
+        acc[t] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[t * nb + b]), acc[t]);
+      }
+      if (b % 8 == 7) {
+        const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * 8)));
+        for (int t = 0; t < TN; ++t) {
+          acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(ds, _mm256_set1_ps(dx[t * (nb / 8) + b / 8])), _mm256_cvtepi32_ps(ksum[t]),
+                                   acc[t]);
+          ksum[t] = _mm256_setzero_si256();
+        }
+      }
+      continue;
     }
     const __m256 d8 = r8_block_scales<KS>(wd, wsc, b);
     __m256 m8 = _mm256_setzero_ps();
@@ -1725,14 +1760,17 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
   }
 }
 #else
+// The AVX2 build (`K_R8_SUPER_ACTIVATIONS`): a block's 8 runs unpacked into registers once, then each row in
+// turn; dx per super-block (row stride nb / 8) and xs16 the rows' int16 sums of q per 16 (row stride K / 16).
+// Per row and block, exactly in int32: Σ over the two sub-blocks of sc·(Σ u·x − 32·Σ q_x) (the int16 pairs of two
+// runs, <= 2·2·63·127 < 2^15, times sc in `vpmaddwd`; the −32·sc·Σ q_x terms of both sub-blocks in one more, from
+// the row's two int16 sums as one int32), summed over the super-block's 8 blocks (|Σ| <= 8·(32·128·63·127 +
+// 2·2032·4096) < 2^31); then acc = fma(ds·dx, float(Σ), acc) once a super-block.
 template <int TN>
 inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, const int8_t* wsc, int64_t nb,
-                       const int8_t* xq, const float* dx, const int32_t* xs16, int64_t K, __m256* acc, bool prefetch) {
-  // The AVX2 build: a block's 8 runs unpacked into registers once, then each row in turn (the VNNI build's
-  // order by run left GCC to spill the int16 and int32 sums of every row); the same integers and the same
-  // float steps per row, so the same bits.
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+                       const int8_t* xq, const float* dx, const int16_t* xs16, int64_t K, __m256* acc, bool prefetch) {
+  __m256i ksum[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps(), ksum[t] = _mm256_setzero_si256();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = wq + b * R8_BLOCK_BYTES;
     const uint8_t* h = wh + b * 64;
@@ -1744,22 +1782,33 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
       lo[j] = q6_low_run(v, pl, j), hi[j] = q6_high_run(v, ph, j);
     }
-    const __m256 dl = q6_r8_scales(wd, wsc, b, 0), dh = q6_r8_scales(wd, wsc, b, 1);
+    // the sub-blocks' scales as int16 pairs (sc, sc) per output lane, and (−32·sc_lo, −32·sc_hi)
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + b * 16));
+    const __m256i sc_lo = _mm256_cvtepi8_epi32(sc), sc_hi = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
+    const __m256i wl = scale_pairs(sc_lo), wh16 = scale_pairs(sc_hi);
+    const __m256i off = _mm256_or_si256(
+        _mm256_and_si256(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sc_lo, 5)), _mm256_set1_epi32(0xFFFF)),
+        _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sc_hi, 5)), 16));
     for (int t = 0; t < TN; ++t) {
       const int8_t* xb = xq + t * K + b * QK;
       const auto at = [xb](int i) { int32_t a; std::memcpy(&a, xb + i, 4); return _mm256_set1_epi32(a); };
-      // two runs' int16 pairs (<= 2·2·63·127 < 2^15) into int32 at a time, from −32·Σ q_x of the sub-block
-      const auto pairs = [&](const __m256i* u, int i) {
-        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u[0], at(i)), _mm256_maddubs_epi16(u[1], at(i + 4))),
-                                 ones);
+      const auto pairs = [&](const __m256i* u, int i) {  // two runs' int16 pairs
+        return _mm256_add_epi16(_mm256_maddubs_epi16(u[0], at(i)), _mm256_maddubs_epi16(u[1], at(i + 4)));
       };
-      const __m256i sl = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(xs16[t * 2 * nb + 2 * b]), pairs(lo, 0)),
-                                          pairs(lo + 2, 8));
-      const __m256i sh = _mm256_add_epi32(_mm256_add_epi32(_mm256_set1_epi32(xs16[t * 2 * nb + 2 * b + 1]), pairs(hi, 16)),
-                                          pairs(hi + 2, 24));
-      const __m256 dxb = _mm256_set1_ps(dx[t * nb + b]);
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dl, dxb), _mm256_cvtepi32_ps(sl), acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dh, dxb), _mm256_cvtepi32_ps(sh), acc[t]);
+      int32_t sums;  // the row's Σ q_x of sub-blocks 2b and 2b + 1, int16 each
+      std::memcpy(&sums, xs16 + t * (K / 16) + 2 * b, 4);
+      const __m256i l = _mm256_add_epi32(_mm256_madd_epi16(pairs(lo, 0), wl), _mm256_madd_epi16(pairs(lo + 2, 8), wl));
+      const __m256i r = _mm256_add_epi32(_mm256_madd_epi16(pairs(hi, 16), wh16), _mm256_madd_epi16(pairs(hi + 2, 24), wh16));
+      ksum[t] = _mm256_add_epi32(ksum[t], _mm256_add_epi32(_mm256_add_epi32(l, r),
+                                                           _mm256_madd_epi16(_mm256_set1_epi32(sums), off)));
+    }
+    if (b % 8 == 7) {
+      const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * 8)));
+      for (int t = 0; t < TN; ++t) {
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(ds, _mm256_set1_ps(dx[t * (nb / 8) + b / 8])), _mm256_cvtepi32_ps(ksum[t]),
+                                 acc[t]);
+        ksum[t] = _mm256_setzero_si256();
+      }
     }
   }
 }
@@ -2227,14 +2276,25 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   if (T == 0 || n == 0) return y;
   thread_local CallBuffers buf;
   const ReleaseLargeBuffers release{buf};
-  buf.q.resize(T * K), buf.d.resize(T * nb), buf.s.resize(T * nb), buf.sums.resize(0);
-  quantize_rows_into(x, K, mode, in.norm_data(), static_cast<float>(eps), false,
+  // the K-quant layouts on the AVX2 build: the rows quantized per super-block (`K_R8_SUPER_ACTIVATIONS`)
+  constexpr bool SUPER = (KS || Q6) && K_R8_SUPER_ACTIVATIONS;
+  const int64_t nbx = SUPER ? nb / 8 : nb;  // the activations' scales per row
+  buf.q.resize(T * K), buf.d.resize(T * nbx), buf.s.resize(SUPER ? 0 : T * nb), buf.sums.resize(SUPER ? T * (K / 16) : 0);
+  quantize_rows_into(x, K, mode, in.norm_data(), static_cast<float>(eps), SUPER,
                      buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
+  if constexpr (SUPER && KS) {  // the minima terms' dx·Σ q per block, from the super-block's dx and sums of 16
+    buf.s.resize(T * nb);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int16_t* sums = buf.sums.data() + t * (K / 16) + 2 * b;
+        buf.s[t * nb + b] = buf.d[t * nbx + b / 8] * static_cast<float>(sums[0] + sums[1]);
+      }
+  }
   std::vector<int32_t>& xs = buf.block_sums;
-  xs.resize(MIN || SIGNED ? 0 : Q6 ? 2 * T * nb : T * nb);
-  if constexpr (Q6)
+  xs.resize(MIN || SIGNED || SUPER ? 0 : Q6 ? 2 * T * nb : T * nb);
+  if constexpr (Q6 && !SUPER)
     half_block_sums(buf.q.data(), T * nb, xs.data());
-  else if constexpr (!MIN && !SIGNED)
+  else if constexpr (!MIN && !SIGNED && !Q6)
     block_sums(buf.q.data(), T * nb, xs.data());
   // AMX: pairs of groups on the tile unit (`amx_pairs`), the rows padded with zeros to a multiple of 16;
   // a last odd group on the vector tiles below
@@ -2257,6 +2317,14 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   const int8_t* xq = buf.q.data();
   const float *dx = buf.d.data(), *sx = buf.s.data();
   const int32_t* xsp = xs.data();
+  const int16_t* xsums = buf.sums.data();  // (`buf` is thread_local: read here, not on the worker threads)
+  const auto q6_sums = [&](int64_t t) {  // row t's Q6_K sums per 16: −32·Σ q (int32), or (AVX2) Σ q (int16)
+#if FORKLM_VNNI
+    return xsp + 2 * t * nb;
+#else
+    return xsums + t * (K / 16);
+#endif
+  };
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   const int64_t group_bytes = nb * BLOCK_BYTES;
@@ -2319,10 +2387,10 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
                                                t == 0);
           else if constexpr (Q6)
             tile_q6_r8<TN>(wq + g * group_bytes, wh6 + g * nb * 64, wd + g * sblocks * 8, wsc6 + g * nb * 16, nb,
-                           xq + t * K, dx + t * nb, xsp + 2 * t * nb, K, acc, t == 0);
+                           xq + t * K, dx + t * nbx, q6_sums(t), K, acc, t == 0);
           else
             tile_r8<MIN, H5, TN, KS>(wq + g * group_bytes, H5 ? wh + g * nb * 32 : nullptr, wd + g * sblocks * 8,
-                                     MIN ? wm + g * sblocks * 8 : nullptr, nb, xq + t * K, dx + t * nb, sx + t * nb,
+                                     MIN ? wm + g * sblocks * 8 : nullptr, nb, xq + t * K, dx + t * nbx, sx + t * nb,
                                      MIN ? nullptr : xsp + t * nb, K, acc, t == 0, KS ? wsc + g * nb * 8 : nullptr,
                                      KS ? wmq + g * nb * 8 : nullptr);
           for (int i = 0; i < TN; ++i) store(g, t + i, acc[i]);
