@@ -221,12 +221,13 @@ class BlockWeights:
           q4_1_r8's qs (and q5_1_r8's qh), d float16 [⌈N/8⌉, K/256, 8] (ds), sc and m uint8 [⌈N/8⌉, K/32, 8]
           (the blocks' 6-bit scales and minima mq), dm float16 [⌈N/8⌉, K/256, 8] (−dmin), count:
           w = (ds·sc)·q + dm·mq, each product exact in float32; run as q4_1_r8 / q5_1_r8 with those
-          scales and minima (activations per block of 32).
+          scales and minima (activations per block of 32 on the VNNI build, per 256 on the AVX2 one:
+          `activation_block`).
     q6_k_r8: q6_k with 8 outputs interleaved, the layout GGUF Q6_K tensors run on: qs as q4_1_r8's (the
           values' low 4 bits), q2 uint8 [⌈N/8⌉, K/32, 64] (their bits 4-5: byte 4r + k of a block's first 32
           holds at bits 2j..2j+1 those of value 4j + k of output r, of the next 32 those of value 16 + 4j + k),
           d float16 [⌈N/8⌉, K/256, 8] (ds), sc int8 [⌈N/8⌉, K/32, 16] (a block's first 16 values' scale for
-          the 8 outputs, then its second 16's), count: w = (ds·sc)·(q − 32), activations per block of 32.
+          the 8 outputs, then its second 16's), count: w = (ds·sc)·(q − 32), activations as q4_k_r8's.
     q6_k: GGUF Q6_K (K a multiple of 256): qs as q4_1's (the values' low 4 bits), q2 uint8 [N, K/4]
           (bits 4-5: per pair of blocks of 32, 16 bytes, byte k holding those of value k of the first
           and of the second block at bits 0-1 and 2-3, of value 16 + k of each at bits 4-5 and 6-7),
