@@ -218,6 +218,17 @@ void quantize_rows_into(const torch::Tensor& x, int64_t K, Prologue mode, const 
   });
 }
 
+// Each block of 32's dx·Σ q (the K-quant minima terms' factor) from rows quantized per super-block
+// (dx [T, K/256], sums of 16 [T, K/16]) -> out [T, K/32].
+void block_sx_from_super_blocks(const float* dx, const int16_t* sums, int64_t T, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int16_t* s = sums + t * (K / 16) + 2 * b;
+      out[t * nb + b] = dx[t * (nb / 8) + b / 8] * static_cast<float>(s[0] + s[1]);
+    }
+}
+
 // The same as tensors (`quantize_q8`, `quantize_q8_k`: the tests' view of the activations' blocks).
 QuantizedRows quantize_rows(const torch::Tensor& x, int64_t K, Prologue mode, const float* w, float eps,
                             bool super = false) {
@@ -1330,12 +1341,7 @@ torch::Tensor gemm(const torch::Tensor& x_in, const torch::Tensor& qs, const tor
   // K-quants' minima terms take each block's dx·Σq from the super-block's dx and sums of 16
   std::vector<float>& k_sx = buf.k_sx;
   k_sx.resize(KS ? T * nb : 0);
-  if constexpr (KS)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int16_t* sums = super_rows.sums + t * (K / 16) + 2 * b;
-        k_sx[t * nb + b] = dx[t * (nb / 8) + b / 8] * static_cast<float>(sums[0] + sums[1]);
-      }
+  if constexpr (KS) block_sx_from_super_blocks(dx, super_rows.sums, T, K, k_sx.data());
   const float* sx = KS ? k_sx.data() : buf.s.data();
   float* yp = y.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
@@ -1533,6 +1539,17 @@ inline __m256i scale_pairs(__m256i v) { return _mm256_or_si256(_mm256_and_si256(
 // float step a super-block. The VNNI build keeps dx per 32 (its `vpdpbusd` sums need no widening).
 constexpr bool K_R8_SUPER_ACTIVATIONS = !FORKLM_VNNI;
 
+// Such a tile's step at the end of a super-block (after block b, b % 8 == 7): rows [0, TN) take
+// acc = fma(ds·dx, float(Σ), acc) from their int32 sums ksum (zeroed for the next), dx per super-block.
+template <int TN>
+inline void super_block_step(const uint16_t* wd, const float* dx, int64_t nb, int64_t b, __m256i* ksum, __m256* acc) {
+  const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * 8)));
+  for (int t = 0; t < TN; ++t) {
+    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(ds, _mm256_set1_ps(dx[t * (nb / 8) + b / 8])), _mm256_cvtepi32_ps(ksum[t]), acc[t]);
+    ksum[t] = _mm256_setzero_si256();
+  }
+}
+
 // The same for `tile_r8_signed`'s layouts (BYTES a block).
 template <int64_t BYTES>
 inline void prefetch_r8_signed_block(const uint8_t* w, const uint16_t* wd, int64_t b) {
@@ -1604,14 +1621,7 @@ inline void tile_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd, co
         ksum[t] = _mm256_add_epi32(ksum[t], H5 ? _mm256_add_epi32(isum[t], sum) : sum);
         acc[t] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[t * nb + b]), acc[t]);
       }
-      if (b % 8 == 7) {
-        const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * 8)));
-        for (int t = 0; t < TN; ++t) {
-          acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(ds, _mm256_set1_ps(dx[t * (nb / 8) + b / 8])), _mm256_cvtepi32_ps(ksum[t]),
-                                   acc[t]);
-          ksum[t] = _mm256_setzero_si256();
-        }
-      }
+      if (b % 8 == 7) super_block_step<TN>(wd, dx, nb, b, ksum, acc);
       continue;
     }
     const __m256 d8 = r8_block_scales<KS>(wd, wsc, b);
@@ -1802,14 +1812,7 @@ inline void tile_q6_r8(const uint8_t* wq, const uint8_t* wh, const uint16_t* wd,
       ksum[t] = _mm256_add_epi32(ksum[t], _mm256_add_epi32(_mm256_add_epi32(l, r),
                                                            _mm256_madd_epi16(_mm256_set1_epi32(sums), off)));
     }
-    if (b % 8 == 7) {
-      const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b / 8 * 8)));
-      for (int t = 0; t < TN; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(ds, _mm256_set1_ps(dx[t * (nb / 8) + b / 8])), _mm256_cvtepi32_ps(ksum[t]),
-                                 acc[t]);
-        ksum[t] = _mm256_setzero_si256();
-      }
-    }
+    if (b % 8 == 7) super_block_step<TN>(wd, dx, nb, b, ksum, acc);
   }
 }
 #endif
@@ -2279,17 +2282,12 @@ torch::Tensor gemm_r8(const torch::Tensor& x_in, const torch::Tensor& qs, const 
   // the K-quant layouts on the AVX2 build: the rows quantized per super-block (`K_R8_SUPER_ACTIVATIONS`)
   constexpr bool SUPER = (KS || Q6) && K_R8_SUPER_ACTIVATIONS;
   const int64_t nbx = SUPER ? nb / 8 : nb;  // the activations' scales per row
-  buf.q.resize(T * K), buf.d.resize(T * nbx), buf.s.resize(SUPER ? 0 : T * nb), buf.sums.resize(SUPER ? T * (K / 16) : 0);
+  // s: dx·Σ q per block (SUPER: the minima terms' factor, formed from the super-blocks' below; Q6_K takes none)
+  buf.q.resize(T * K), buf.d.resize(T * nbx), buf.s.resize(SUPER && Q6 ? 0 : T * nb);
+  buf.sums.resize(SUPER ? T * (K / 16) : 0);
   quantize_rows_into(x, K, mode, in.norm_data(), static_cast<float>(eps), SUPER,
                      buf.q.data(), buf.d.data(), buf.s.data(), buf.sums.data());
-  if constexpr (SUPER && KS) {  // the minima terms' dx·Σ q per block, from the super-block's dx and sums of 16
-    buf.s.resize(T * nb);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int16_t* sums = buf.sums.data() + t * (K / 16) + 2 * b;
-        buf.s[t * nb + b] = buf.d[t * nbx + b / 8] * static_cast<float>(sums[0] + sums[1]);
-      }
-  }
+  if constexpr (SUPER && KS) block_sx_from_super_blocks(buf.d.data(), buf.sums.data(), T, K, buf.s.data());
   std::vector<int32_t>& xs = buf.block_sums;
   xs.resize(MIN || SIGNED || SUPER ? 0 : Q6 ? 2 * T * nb : T * nb);
   if constexpr (Q6 && !SUPER)
